@@ -1,0 +1,56 @@
+"""Options shared by the commands, error-to-exit-code mapping, and the stage runner glue."""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Any, Callable
+
+import click
+from rich.console import Console
+
+from ..errors import DeployctlError
+
+STDERR = Console(stderr=True, highlight=False)
+
+
+def inventory_option(f: Callable) -> Callable:
+    return click.option("--inventory", "-i", "inventory", type=click.Path(dir_okay=False),
+                        envvar="DEPLOYCTL_INVENTORY", show_envvar=True,
+                        help="Ansible YAML inventory (default: inventories/local4.yml, the local "
+                             "test cluster).")(f)
+
+
+def recipe_options(f: Callable) -> Callable:
+    f = click.option("--set", "sets", multiple=True, metavar="KEY.PATH=VALUE",
+                     help="Override a recipe field, e.g. --set engram.placement=memory (repeatable).")(f)
+    f = click.option("--recipe", "-r", default=None,
+                     help="Recipe name in recipes/ or a path (default: the one the inventory names).")(f)
+    return f
+
+
+def output_options(f: Callable) -> Callable:
+    f = click.option("--json", "as_json", is_flag=True, help="Print a JSON document on stdout.")(f)
+    f = click.option("-v", "--verbose", count=True, help="More output (stream host logs).")(f)
+    f = click.option("-q", "--quiet", is_flag=True, help="Only errors.")(f)
+    return f
+
+
+def deployment_options(f: Callable) -> Callable:
+    return inventory_option(recipe_options(output_options(f)))
+
+
+def handle_errors(f: Callable) -> Callable:
+    """DeployctlError -> message on stderr and its exit code (2 bad input, 1 failure)."""
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return f(*args, **kwargs)
+        except DeployctlError as e:
+            STDERR.print(f"[red]error:[/red] {e}", markup=True, highlight=False, soft_wrap=True)
+            sys.exit(e.exit_code)
+    return wrapper
+
+
+def emit_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, default=str))

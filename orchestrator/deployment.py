@@ -1,0 +1,75 @@
+"""A deployment: one inventory plus the recipe it runs, cross-checked."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from .errors import InputError
+from .inventory import Cluster, Host, load_inventory
+from .recipe import LoadedRecipe, Recipe, load_recipe
+
+
+@dataclass(frozen=True)
+class Deployment:
+    cluster: Cluster
+    loaded: LoadedRecipe
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.loaded.recipe
+
+    @property
+    def name(self) -> str:
+        return self.cluster.name
+
+    def checkpoint_dir(self, host: Host) -> str:
+        """The checkpoint folder on `host`: HF cache layout unless the recipe names a folder."""
+        m = self.recipe.model
+        if m.checkpoint_dir:
+            rel = m.checkpoint_dir
+        else:
+            rel = f"models--{m.repo.replace('/', '--')}/snapshots/{m.revision}"
+        return str(PurePosixPath(host.model_cache) / rel)
+
+    def engram_dir(self, host: Host) -> str:
+        assert self.recipe.engram is not None
+        return str(PurePosixPath(host.nvme_dir) / self.recipe.engram.subdir)
+
+    def ple_dir(self, host: Host) -> str:
+        assert self.recipe.ple is not None
+        return str(PurePosixPath(host.nvme_dir) / self.recipe.ple.subdir)
+
+
+def load_deployment(inventory: str | Path | None, recipe: str | None = None,
+                    sets: tuple[str, ...] = ()) -> Deployment:
+    cluster = load_inventory(inventory)
+    ref = recipe or cluster.recipe
+    if not ref:
+        raise InputError("no recipe: pass --recipe or set all.vars.recipe", file=str(cluster.file),
+                         key="all.vars.recipe")
+    if not recipe and ("/" in ref or ref.endswith((".yml", ".yaml"))):
+        # A path in the inventory is relative to the inventory file.
+        p = Path(ref)
+        ref = str(p if p.is_absolute() else cluster.file.parent / p)
+    loaded = load_recipe(ref, tuple(cluster.recipe_overrides) + tuple(sets))
+    check_fit(cluster, loaded)
+    return Deployment(cluster, loaded)
+
+
+def check_fit(cluster: Cluster, loaded: LoadedRecipe) -> None:
+    """The inventory must be the cluster the recipe was written for."""
+    r, f = loaded.recipe, str(cluster.file)
+    par = r.parallelism
+    if len(cluster.hosts) != par.nodes:
+        raise InputError(
+            f"recipe {r.name} needs {par.nodes} node(s) (tensor_parallel {par.tensor_parallel} = "
+            f"{par.nodes} nodes x {par.gpus_per_node} GPU); the inventory has {len(cluster.hosts)}",
+            file=f, key="all.hosts")
+    for h in cluster.hosts:
+        if h.hardware != r.hardware:
+            raise InputError(f"host {h.name} is {h.hardware} but recipe {r.name} is for {r.hardware}",
+                             file=f, key=f"all.hosts.{h.name}.hardware")
+        if h.gpus < par.gpus_per_node:
+            raise InputError(f"host {h.name} has {h.gpus} GPU(s); recipe {r.name} needs "
+                             f"{par.gpus_per_node} per node (tensor_parallel {par.tensor_parallel} = "
+                             f"nodes x GPUs per node)", file=f, key=f"all.hosts.{h.name}.gpus")

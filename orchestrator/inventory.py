@@ -1,0 +1,236 @@
+"""Inventories: Ansible YAML inventories with deployctl's host and cluster variables.
+
+The same file works with `ansible-playbook -i`. Keys starting with `ansible_`
+are Ansible's and pass through; every other key must be one deployctl knows,
+so a typo is an error instead of a silent default.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import yamlfile
+from .errors import InputError
+from .hardware import KINDS
+from .paths import INVENTORIES_DIR
+
+HOST_KEYS = {
+    "rank": "this host's rank (0 = head), an integer",
+    "hardware": f"the hardware kind ({', '.join(KINDS)})",
+    "gpus": "GPU count, an integer",
+    "nvme_dir": "folder on local NVMe for staged tables (Engram rows, PLE file)",
+    "model_cache": "folder holding the checkpoint (HF cache layout or plain)",
+    "fabric_iface": "override: the fabric netdev for NCCL/GLOO/UCX",
+    "fabric_address": "override: this host's address on the fabric",
+    "docker_host": "the Docker engine socket on this host (default unix:///var/run/docker.sock)",
+}
+CLUSTER_KEYS = {
+    "deployment": "deployment name (container labels, run records)",
+    "recipe": "recipe name in recipes/ or a path",
+    "head": "the head host's name (rank 0; serves the API)",
+    "api_port": "API port on the head",
+    "known_hosts_file": "known_hosts file for SSH host key checks",
+    "host_key_checking": "check SSH host keys (default true; false is an explicit opt-out)",
+    "recipe_overrides": "mapping of recipe key.path: value applied before --set",
+    "run_dir": "where run records go (default ./runs)",
+}
+DEFAULT_INVENTORY = INVENTORIES_DIR / "local4.yml"
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str
+    rank: int
+    hardware: str
+    gpus: int
+    nvme_dir: str
+    model_cache: str
+    port: int = 22
+    user: str = "root"
+    key_file: str | None = None
+    fabric_iface: str | None = None
+    fabric_address: str | None = None
+    docker_host: str = "unix:///var/run/docker.sock"
+    ansible_vars: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ssh_url(self) -> str:
+        return f"ssh://{self.user}@{self.address}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    file: Path
+    recipe: str | None
+    head: str
+    api_port: int
+    hosts: tuple[Host, ...]              # sorted by rank
+    known_hosts_file: str | None = None
+    host_key_checking: bool = True
+    recipe_overrides: tuple[str, ...] = ()
+    run_dir: str = "runs"
+
+    @property
+    def head_host(self) -> Host:
+        return next(h for h in self.hosts if h.name == self.head)
+
+    @property
+    def workers(self) -> tuple[Host, ...]:
+        return tuple(h for h in self.hosts if h.name != self.head)
+
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise InputError(f"no host named {name!r} (hosts: {', '.join(h.name for h in self.hosts)})",
+                         file=str(self.file))
+
+
+def _collect(group: dict, path: str, inherited: dict, file: str, out: dict, group_vars: dict) -> None:
+    """Walk Ansible's group tree; host vars = group vars (outer to inner) + host's own."""
+    if not isinstance(group, dict):
+        raise InputError("expected a mapping (hosts, vars, children)", file=file, key=path)
+    unknown = set(group) - {"hosts", "vars", "children"}
+    if unknown:
+        raise InputError(f"unknown key {sorted(unknown)[0]!r} (a group holds hosts, vars, children)",
+                         file=file, key=f"{path}.{sorted(unknown)[0]}")
+    gvars = group.get("vars") or {}
+    if not isinstance(gvars, dict):
+        raise InputError("expected a mapping", file=file, key=f"{path}.vars")
+    merged = {**inherited, **gvars}
+    group_vars[path] = gvars
+    for name, hvars in (group.get("hosts") or {}).items():
+        hvars = hvars or {}
+        if not isinstance(hvars, dict):
+            raise InputError("expected a mapping of host variables", file=file,
+                             key=f"{path}.hosts.{name}")
+        prev = out.get(str(name), ({}, ""))[0]
+        out[str(name)] = ({**merged, **prev, **hvars}, f"{path}.hosts.{name}")
+    for cname, child in (group.get("children") or {}).items():
+        _collect(child or {}, f"{path}.children.{cname}", merged, file, out, group_vars)
+
+
+def load_inventory(path: str | Path | None = None) -> Cluster:
+    p = Path(path) if path else Path(os.environ.get("DEPLOYCTL_INVENTORY", DEFAULT_INVENTORY))
+    raw = yamlfile.load(p)
+    file = str(p)
+
+    def err(msg: str, key: str) -> InputError:
+        return InputError(msg, file=file, key=key, line=raw.lines.get(key))
+
+    if set(raw) != {"all"}:
+        extra = sorted(set(raw) - {"all"})
+        raise err(f"expected one top-level group 'all' (got {extra or 'nothing'})",
+                  extra[0] if extra else "all")
+    hosts_raw: dict[str, tuple[dict, str]] = {}
+    group_vars: dict[str, dict] = {}
+    _collect(raw["all"] or {}, "all", {}, file, hosts_raw, group_vars)
+    cvars = group_vars.get("all", {})
+    for k in cvars:
+        if not k.startswith("ansible_") and k not in CLUSTER_KEYS and k not in HOST_KEYS:
+            raise err(f"unknown variable {k!r} (cluster variables: {', '.join(CLUSTER_KEYS)}; "
+                      f"host variables: {', '.join(HOST_KEYS)})", f"all.vars.{k}")
+    if not hosts_raw:
+        raise err("the inventory lists no hosts", "all")
+
+    hosts = [_host(name, hv, key, file, raw.lines) for name, (hv, key) in hosts_raw.items()]
+    hosts.sort(key=lambda h: h.rank)
+
+    seen_ranks: dict[int, str] = {}
+    seen_addr: dict[tuple[str, int], str] = {}
+    for h in hosts:
+        if h.rank in seen_ranks:
+            raise err(f"duplicate rank {h.rank}: hosts {seen_ranks[h.rank]!r} and {h.name!r}; "
+                      "give every host its own rank 0..N-1", f"all.hosts.{h.name}.rank")
+        seen_ranks[h.rank] = h.name
+        if (h.address, h.port) in seen_addr:
+            raise err(f"duplicate address {h.address}:{h.port}: hosts {seen_addr[(h.address, h.port)]!r} "
+                      f"and {h.name!r}", f"all.hosts.{h.name}.ansible_host")
+        seen_addr[(h.address, h.port)] = h.name
+    ranks = sorted(seen_ranks)
+    if ranks != list(range(len(hosts))):
+        raise err(f"ranks must be 0..{len(hosts) - 1} without gaps (got {ranks})", "all.hosts")
+
+    head = cvars.get("head")
+    if not head:
+        raise err("missing head: set all.vars.head to the name of the rank-0 host", "all.vars.head")
+    names = [h.name for h in hosts]
+    if head not in names:
+        raise err(f"head {head!r} is not a host of this inventory (hosts: {', '.join(names)})",
+                  "all.vars.head")
+    if seen_ranks[0] != head:
+        raise err(f"head {head!r} has rank {next(h.rank for h in hosts if h.name == head)}; "
+                  f"the head must be rank 0 ({seen_ranks[0]!r} is)", "all.vars.head")
+
+    overrides = cvars.get("recipe_overrides") or {}
+    if not isinstance(overrides, dict):
+        raise err("expected a mapping of recipe key.path: value", "all.vars.recipe_overrides")
+    api_port = cvars.get("api_port", 8000)
+    if not isinstance(api_port, int) or not 0 < api_port < 65536:
+        raise err(f"expected a TCP port number, got {api_port!r}", "all.vars.api_port")
+    hkc = cvars.get("host_key_checking", True)
+    if not isinstance(hkc, bool):
+        raise err(f"expected true or false, got {hkc!r}", "all.vars.host_key_checking")
+    return Cluster(
+        name=str(cvars.get("deployment") or p.stem),
+        file=p,
+        recipe=cvars.get("recipe"),
+        head=str(head),
+        api_port=api_port,
+        hosts=tuple(hosts),
+        known_hosts_file=_expand(cvars.get("known_hosts_file")),
+        host_key_checking=hkc,
+        recipe_overrides=tuple(f"{k}={_yaml_scalar(v)}" for k, v in overrides.items()),
+        run_dir=str(cvars.get("run_dir", "runs")),
+    )
+
+
+def _host(name: str, hv: dict, key: str, file: str, lines: dict[str, int]) -> Host:
+    def err(msg: str, sub: str) -> InputError:
+        k = f"{key}.{sub}" if sub else key
+        return InputError(f"host {name}: {msg}", file=file, key=k, line=lines.get(k) or lines.get(key))
+
+    for k in hv:
+        if not k.startswith("ansible_") and k not in HOST_KEYS and k not in CLUSTER_KEYS:
+            raise err(f"unknown variable {k!r} (host variables: {', '.join(HOST_KEYS)})", k)
+    address = hv.get("ansible_host")
+    if not address:
+        raise err("missing ansible_host (the host's address)", "ansible_host")
+    for req in ("rank", "hardware", "nvme_dir", "model_cache"):
+        if req not in hv:
+            raise err(f"missing {req} ({HOST_KEYS[req]})", req)
+    rank = hv["rank"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise err(f"rank must be a non-negative integer, got {rank!r}", "rank")
+    hardware = hv["hardware"]
+    if hardware not in KINDS:
+        raise err(f"unknown hardware {hardware!r} (known: {', '.join(KINDS)})", "hardware")
+    gpus = hv.get("gpus", KINDS[hardware].default_gpus)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise err(f"gpus must be a non-negative integer, got {gpus!r}", "gpus")
+    port = hv.get("ansible_port", 22)
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise err(f"ansible_port must be an integer, got {port!r}", "ansible_port")
+    return Host(
+        name=name, address=str(address), rank=rank, hardware=hardware, gpus=gpus,
+        nvme_dir=str(hv["nvme_dir"]), model_cache=str(hv["model_cache"]), port=port,
+        user=str(hv.get("ansible_user", "root")),
+        key_file=_expand(hv.get("ansible_ssh_private_key_file")),
+        fabric_iface=hv.get("fabric_iface"), fabric_address=hv.get("fabric_address"),
+        docker_host=str(hv.get("docker_host", "unix:///var/run/docker.sock")),
+        ansible_vars={k: v for k, v in hv.items() if k.startswith("ansible_")},
+    )
+
+
+def _expand(p: Any) -> str | None:
+    return os.path.expanduser(str(p)) if p else None
+
+
+def _yaml_scalar(v: Any) -> str:
+    # JSON is valid YAML: the value round-trips through parse_set unchanged (a string stays a string).
+    return json.dumps(v)

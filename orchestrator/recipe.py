@@ -1,0 +1,273 @@
+"""Recipes: what to serve and how (model facts, table geometry, engine arguments).
+
+A recipe is a YAML file in recipes/ (or any path). It is loaded into frozen
+dataclasses; unknown keys are errors; `--set key.path=value` overrides any field
+before validation, so an override goes through the same checks as the file.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from . import schema, yamlfile
+from .errors import InputError
+from .paths import RECIPES_DIR
+
+Placement = Literal["nvme", "memory", "pinned", "gpu"]
+
+
+@dataclass(frozen=True)
+class TableGeometry:
+    """A hashed n-gram table: per layer, one sub-table per (order, head), prime-sized."""
+    layers: tuple[int, ...]
+    orders: tuple[int, ...]
+    heads_per_order: int
+    vocab_per_order: tuple[int, ...]   # base vocabulary size per order, same length as orders
+    row_values: int                    # values per row (FP8: bytes per row)
+    dtype: str = "F8_E4M3"
+
+    def validate(self, path: str, file: str) -> None:
+        if len(self.vocab_per_order) != len(self.orders):
+            raise InputError(f"has {len(self.vocab_per_order)} entries but orders has "
+                             f"{len(self.orders)}; give one base vocabulary size per order",
+                             file=file, key=f"{path}.vocab_per_order")
+        for name in ("heads_per_order", "row_values"):
+            if getattr(self, name) < 1:
+                raise InputError("must be >= 1", file=file, key=f"{path}.{name}")
+        if not self.layers:
+            raise InputError("needs at least one layer", file=file, key=f"{path}.layers")
+
+
+@dataclass(frozen=True)
+class EngramSpec:
+    """DeepSeek-V4.1-Flash Engram conditional memory."""
+    placement: Placement
+    geometry: TableGeometry
+    weight_tensor: str = "layers.{layer}.engram.embed.weight"
+    scale_tensor: str | None = "layers.{layer}.engram.embed.scale"
+    scale_dtype: str = "U8"
+    scale_values_per_row: int = 8        # one E8M0 scale per 32 FP8 values
+    layout: Literal["sparse", "packed"] = "sparse"
+    subdir: str = "engram"               # below the host's nvme_dir
+    free_margin_gb: float = 5.0          # NVMe free space kept beyond the staged bytes
+
+
+@dataclass(frozen=True)
+class PleSpec:
+    """Qwen3.8-Flash-Next n-gram ("PLE") table."""
+    placement: Placement
+    geometry: TableGeometry
+    shard_tensor: str = ("model.language_model.layers.{layer}.ple.ple_embedding."
+                         "ngram_embedding.shard_{shard}.weight")
+    shards: int = 128
+    file_pattern: str = "ple_table_{rows}x{width}_{dtype}_{bytes}B.bin"
+    subdir: str = "ple"
+    page_cache_budget_gib: float = 8.0
+    min_host_ram_gb: float = 64.0        # pinned placement: available RAM the host needs
+    free_margin_gb: float = 5.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    repo: str                            # e.g. deepseek-ai/DeepSeek-V4.1-Flash
+    revision: str = "main"
+    checkpoint_gb: float = 0.0           # whole checkpoint, decimal GB
+    checkpoint_dir: str = ""             # below the host's model_cache; default HF cache layout
+    params_b: float = 0.0
+    active_params_b: float = 0.0
+    kv_bytes_per_token: int = 0
+    max_context: int = 0
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tensor_parallel: int
+    nodes: int
+    gpus_per_node: int = 1
+
+    def validate(self, path: str, file: str) -> None:
+        if self.tensor_parallel != self.nodes * self.gpus_per_node:
+            raise InputError(f"tensor_parallel {self.tensor_parallel} != nodes {self.nodes} x "
+                             f"gpus_per_node {self.gpus_per_node}", file=file,
+                             key=f"{path}.tensor_parallel")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    kind: Literal["vllm", "sglang"]
+    version: str
+    image: str                           # the serving image tag
+    served_name: str
+    model: str = ""                      # model argument; default: the checkpoint path in the container
+    chain: str | None = None             # image chain in dockerfiles/chains/ that builds `image`
+    port: int = 8000
+    master_port: int = 29501             # vLLM mp-backend rendezvous
+    args: dict[str, Any] = field(default_factory=dict)   # --flag: value, in order; true = bare flag
+    env: dict[str, str] = field(default_factory=dict)
+    shm_size: str = "64g"
+    container_name: str = ""             # default: deployctl-<deployment>-<host>
+
+
+@dataclass(frozen=True)
+class HealthSpec:
+    startup_timeout_s: float = 3600.0    # loading 510 GB and capturing CUDA graphs takes long
+    poll_interval_s: float = 5.0
+    request_timeout_s: float = 120.0
+    prompt: str = "Count from 1 to 10."
+    max_tokens: int = 50
+    stay_up_s: float = 10.0              # containers must stay running this long after answering
+
+
+@dataclass(frozen=True)
+class BenchPoint:
+    concurrency: int
+    ttft_ms: float | None = None
+    tps: float | None = None
+    itl_ms: float | None = None
+    latency_s: float | None = None
+    rps: float | None = None
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    ttft_slo_ms: float = 1000.0
+    tps_slo: float = 20.0
+    input_tokens: int = 128
+    max_tokens: int = 128
+    rounds: int = 10
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    tolerance: float = 0.15              # a regression is worse than reference by more than this
+    reference: tuple[BenchPoint, ...] = ()
+
+
+@dataclass(frozen=True)
+class SizingSpec:
+    """Memory budget inputs (deployment-facts.md, "Sizing rules")."""
+    os_reserve_gb: float = 8.0           # OS, CUDA context, runtime overhead per node
+    activations_gb: float = 4.0
+    buffers_gb: float = 2.0              # staging / offload buffers
+    recurrent_state_gb: float = 0.0      # Gated DeltaNet state pools
+    min_kv_gb: float = 4.0               # below this the engine cannot serve the context
+    concurrency: int = 8
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    hardware: Literal["dgx-spark", "rtx-pro-6000", "b300"]
+    model: ModelSpec
+    parallelism: Parallelism
+    engine: EngineSpec
+    engram: EngramSpec | None = None
+    ple: PleSpec | None = None
+    health: HealthSpec = HealthSpec()
+    bench: BenchSpec = BenchSpec()
+    sizing: SizingSpec = SizingSpec()
+
+    def validate(self, path: str, file: str) -> None:
+        from .hardware import KINDS
+        kind = KINDS[self.hardware]
+        for name in ("engram", "ple"):
+            spec = getattr(self, name)
+            if spec is None:
+                continue
+            if spec.placement == "pinned" and kind.unified_memory:
+                raise InputError(
+                    f"placement 'pinned' on {self.hardware}: its CPU and GPU share one memory pool, "
+                    "so pinning the table in host memory frees nothing; use 'nvme' (or 'memory')",
+                    file=file, key=f"{name}.placement")
+            if spec.placement not in kind.placements:
+                raise InputError(f"placement {spec.placement!r} is not possible on {self.hardware} "
+                                 f"(possible: {', '.join(kind.placements)})",
+                                 file=file, key=f"{name}.placement")
+
+    @property
+    def digest(self) -> str:
+        return digest_of(schema.to_dict(self))
+
+
+@dataclass(frozen=True)
+class LoadedRecipe:
+    recipe: Recipe
+    path: Path
+    overrides: tuple[str, ...] = ()
+
+
+def digest_of(data: Any) -> str:
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def resolve_path(name_or_path: str) -> Path:
+    """A recipe name (file in recipes/) or a path to a YAML file."""
+    p = Path(name_or_path)
+    if p.suffix in (".yml", ".yaml") or "/" in name_or_path:
+        return p
+    candidate = RECIPES_DIR / f"{name_or_path}.yml"
+    if not candidate.exists():
+        known = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.yml")))
+        raise InputError(f"no recipe named {name_or_path!r} (known: {known}; or give a path)",
+                         key="--recipe")
+    return candidate
+
+
+def parse_set(expr: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (['a','b','c'], parsed YAML value)."""
+    if "=" not in expr:
+        raise InputError(f"--set {expr!r}: expected key.path=value")
+    key, _, raw = expr.partition("=")
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise InputError(f"--set {expr!r}: empty key path")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(data: dict, sets: list[str] | tuple[str, ...], source: str = "--set") -> dict:
+    """Apply `key.path=value` overrides to raw recipe data (a copy is returned).
+
+    The key path must already exist in the recipe or be a field of the schema
+    (checked when the result is converted); mappings such as engine.args and
+    engine.env may receive new keys.
+    """
+    out = copy.deepcopy(data)
+    for expr in sets:
+        parts, value = parse_set(expr)
+        node = out
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.get(p) if isinstance(node, dict) else None
+            if nxt is None:
+                nxt = {}
+                node[p] = nxt
+            if not isinstance(nxt, dict):
+                raise InputError(f"{source} {expr!r}: {'.'.join(parts[:i + 1])} is not a mapping")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def load_recipe(name_or_path: str, sets: tuple[str, ...] | list[str] = ()) -> LoadedRecipe:
+    path = resolve_path(name_or_path)
+    raw = yamlfile.load(path)
+    data = apply_overrides(dict(raw), sets)
+    try:
+        recipe = schema.from_dict(Recipe, data, "", str(path))
+    except InputError as e:
+        # Point at the line of the offending key when the file has it.
+        line = raw.lines.get(e.key or "") if e.key else None
+        if line and e.line is None:
+            raise InputError(e.detail, file=str(path), key=e.key, line=line) from None
+        raise
+    return LoadedRecipe(recipe, path, tuple(sets))
+

@@ -1,0 +1,110 @@
+"""Apply a plan: stage by stage, hosts in parallel inside a stage, results per host as values."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import DeployctlError
+from .plan import Plan
+from .runrecord import RunContext
+from .stages import get as get_stage
+from .stages.base import HostResult
+
+
+@dataclass
+class StageOutcome:
+    name: str
+    status: str                         # ok | failed | skipped
+    results: list[HostResult] = field(default_factory=list)
+    note: str = ""
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"name": self.name, "status": self.status, "seconds": round(self.seconds, 3),
+             "results": [r.to_json() for r in self.results]}
+        if self.note:
+            d["note"] = self.note
+        return d
+
+
+@dataclass
+class RunOutcome:
+    run_dir: str
+    status: str                         # ok | failed | cancelled | error
+    exit_code: int
+    stages: list[StageOutcome]
+    error: str = ""
+
+    @property
+    def failures(self) -> list[HostResult]:
+        return [r for s in self.stages for r in s.results if r.status == "failed"]
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"run_dir": self.run_dir, "status": self.status, "exit_code": self.exit_code,
+             "stages": [s.to_json() for s in self.stages]}
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+def run(plan: Plan, ctx: RunContext, command: str = "up") -> RunOutcome:
+    ctx.write_json("plan.json", plan.to_json())
+    started = time.time()
+    outcomes: list[StageOutcome] = []
+    status, code, error = "ok", 0, ""
+    try:
+        for sp in plan.stages:
+            if ctx.cancel.is_set():
+                status, code = "cancelled", 130
+                break
+            st = get_stage(sp.name)
+            ctx.event("stage-start", stage=sp.name, actions=len(sp.actions))
+            t0 = time.monotonic()
+            if not sp.actions:
+                ctx.say(f"[dim]- {sp.name}: skipped ({sp.note or 'nothing to do'})[/dim]")
+                outcomes.append(StageOutcome(sp.name, "skipped", note=sp.note))
+                ctx.event("stage-end", stage=sp.name, status="skipped", note=sp.note)
+                continue
+            ctx.say(f"[bold]> {sp.name}[/bold] ({len(sp.actions)} action(s))")
+            results = st.apply(plan.deployment, list(sp.actions), ctx)
+            failed = [r for r in results if r.status == "failed"]
+            st_status = "failed" if failed else (
+                "skipped" if results and all(r.status == "skipped" for r in results) else "ok")
+            out = StageOutcome(sp.name, st_status, results, sp.note, time.monotonic() - t0)
+            outcomes.append(out)
+            for r in results:
+                mark = {"ok": "[green]ok[/green]", "skipped": "[dim]skip[/dim]",
+                        "failed": "[red]FAILED[/red]"}[r.status]
+                ctx.say(f"  {r.host}: {mark} {r.message}")
+            ctx.event("stage-end", stage=sp.name, status=st_status, seconds=round(out.seconds, 3))
+            if failed:
+                status, code = "failed", 1
+                break
+    except KeyboardInterrupt:
+        ctx.cancel.set()
+        status, code, error = "cancelled", 130, "interrupted (Ctrl-C)"
+        for fn in reversed(ctx.options.get("cleanups", [])):
+            try:
+                fn()
+            except Exception as e:  # cleanup must not hide the interrupt
+                ctx.event("cleanup-error", error=str(e))
+    except DeployctlError as e:
+        status, code, error = "error", e.exit_code, str(e)
+    outcome = RunOutcome(str(ctx.run_dir), status, code, outcomes, error)
+    ctx.write_json("status.json", {"command": command, "started": started, "finished": time.time(),
+                                   **outcome.to_json()})
+    ctx.event("run-end", status=status, exit_code=code)
+    return outcome
+
+
+def describe_failure(r: HostResult) -> str:
+    """host, stage, exit code, message, log tail and log path: what an operator needs at 3 a.m."""
+    rc = f" (exit code {r.rc})" if r.rc is not None else ""
+    lines = [f"{r.host}: stage {r.stage} failed{rc}: {r.message}"]
+    if r.tail:
+        lines.append("  last lines:")
+        lines.extend(f"    | {t}" for t in r.tail[-10:])
+    if r.log_path:
+        lines.append(f"  log: {r.log_path}")
+    return "\n".join(lines)

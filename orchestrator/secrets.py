@@ -1,0 +1,52 @@
+"""Secrets never reach logs, plans or run records.
+
+A value is secret when its variable name looks like one (HF_TOKEN, *_SECRET,
+*_PASSWORD, *_API_KEY ...). Masking replaces both the value in a mapping and
+any occurrence of a known secret value inside free text.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+MASK = "***"
+_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)", re.I)
+
+
+def is_secret_name(name: str) -> bool:
+    # A *_FILE / *_PATH variable names where a secret lives, not the secret itself.
+    if name.upper().endswith(("_FILE", "_PATH", "_DIR")):
+        return False
+    return bool(_SECRET_NAME.search(name))
+
+
+def secret_values(env: dict[str, str] | None = None) -> list[str]:
+    """Values of secret-named variables in `env` (default: this process's environment)."""
+    env = os.environ if env is None else env
+    # Short values would mask ordinary words; real tokens are long.
+    return sorted({v for k, v in env.items() if is_secret_name(k) and v and len(v) >= 6},
+                  key=len, reverse=True)
+
+
+def mask_text(text: str, values: list[str] | None = None) -> str:
+    for v in secret_values() if values is None else values:
+        text = text.replace(v, MASK)
+    return text
+
+
+def mask_env(env: dict[str, Any]) -> dict[str, Any]:
+    return {k: (MASK if is_secret_name(k) and v not in ("", None) else v) for k, v in env.items()}
+
+
+def mask_data(data: Any, values: list[str] | None = None) -> Any:
+    """Mask a JSON-like document: secret-named keys and any secret value in strings."""
+    values = secret_values() if values is None else values
+    if isinstance(data, dict):
+        return {k: (MASK if isinstance(k, str) and is_secret_name(k) and isinstance(v, str) and v
+                    else mask_data(v, values)) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [mask_data(v, values) for v in data]
+    if isinstance(data, str):
+        return mask_text(data, values)
+    return data
