@@ -1,0 +1,1 @@
+"""Hashed n-gram tables (DeepSeek Engram, Qwen PLE): geometry, checkpoint reading, staging."""

@@ -1,0 +1,718 @@
+"""A real multi-host test cluster on one machine: per host a network namespace, an sshd and a dockerd.
+
+Layout of a cluster named NAME (state folder S = /var/lib/deployctl-testcluster/NAME):
+
+  S/state.json            what was created (bridge, namespaces, veths, mounts, iptables rule);
+                          written *before* each thing is made, so a killed run's leftovers are known
+  S/id_ed25519[.pub]      the client key; S/authorized_keys; S/known_hosts (every host's address + key)
+  S/inventory.yml         deployctl's inventory for this cluster
+  S/nodeK/                one folder per host: sshd_config, host key, sshd.pid, docker.sock,
+                          dockerd.pid, docker/ (data root), run/ (exec root), nvme/, models/
+
+Network: bridge dctl<i>br in the root namespace with 10.213.<i>.1/24, host K = namespace dctl-NAME-nodeK
+with eth0 = 10.213.<i>.(10+K)/24, where i = 0 for NAME "local" and a hash of NAME otherwise. The
+namespaces have no default route: traffic from a test host reaches only the other test hosts and the
+bridge address. Every name carries the `dctl` prefix; nothing is ever stopped or deleted by a name
+pattern: processes by pid file (after checking the pid is ours) or by being inside our namespace.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import yaml
+
+from .images import LOCAL_ENGINE, copy_image
+
+STATE_ROOT = Path("/var/lib/deployctl-testcluster")
+NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
+SSH_PORT = 22
+FIRST_HOST_OCTET = 11
+MAX_HOSTS = 200
+RECIPE_FOR_HOSTS = {1: "qwen38-flash-next-spark", 4: "deepseek-v41-flash-tp4", 8: "deepseek-v41-flash-tp8-nvme"}
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------------
+# Names and addresses (pure)
+
+def subnet_index(name: str) -> int:
+    """'local' -> 0 (10.213.0.0/24, the checked-in inventories); any other name -> 1..254."""
+    if name == "local":
+        return 0
+    return 1 + zlib.crc32(name.encode()) % 254
+
+
+def state_dir(name: str) -> Path:
+    return STATE_ROOT / name
+
+
+def _check_name(name: str) -> None:
+    if not NAME_RE.match(name):
+        raise ClusterError(f"bad cluster name {name!r}: lower-case letters, digits and '-', "
+                           f"starting with a letter, at most 24 characters")
+
+
+def default_deployment(name: str, n: int) -> str:
+    """'local' with 4 hosts -> 'local4'; a name ending in a digit ('local1') is kept as it is."""
+    return name if name[-1].isdigit() else f"{name}{n}"
+
+
+def python_for_ansible() -> str:
+    """The python3 that has pyyaml on this machine (hosts share its filesystem), outside any venv."""
+    exe = getattr(sys, "_base_executable", None) or sys.executable
+    return os.environ.get("DCTL_ANSIBLE_PYTHON", exe)
+
+
+@dataclass(frozen=True)
+class TestHost:
+    name: str              # node1..nodeN
+    rank: int
+    address: str
+    ssh_port: int
+    netns: str
+    veth: str              # root-namespace end of its veth pair (the namespace end is eth0)
+    dir: Path              # S/nodeK
+    nvme_dir: Path
+    model_cache: Path
+    docker_sock: Path
+
+    __test__ = False       # not a pytest test class
+
+    @property
+    def docker_host(self) -> str:
+        return f"unix://{self.docker_sock}"
+
+    @property
+    def netns_path(self) -> str:
+        return f"/var/run/netns/{self.netns}"
+
+
+def plan_hosts(name: str, n: int) -> tuple[TestHost, ...]:
+    if not 1 <= n <= MAX_HOSTS:
+        raise ClusterError(f"--hosts must be 1..{MAX_HOSTS}, got {n}")
+    i = subnet_index(name)
+    s = state_dir(name)
+    hosts = []
+    for k in range(1, n + 1):
+        d = s / f"node{k}"
+        hosts.append(TestHost(
+            name=f"node{k}", rank=k - 1, address=f"10.213.{i}.{FIRST_HOST_OCTET + k - 1}", ssh_port=SSH_PORT,
+            netns=f"dctl-{name}-node{k}", veth=f"dctl{i}n{k}", dir=d, nvme_dir=d / "nvme",
+            model_cache=d / "models", docker_sock=d / "docker.sock"))
+    return tuple(hosts)
+
+
+def bridge_name(name: str) -> str:
+    return f"dctl{subnet_index(name)}br"
+
+
+def bridge_address(name: str) -> str:
+    return f"10.213.{subnet_index(name)}.1"
+
+
+def inventory_data(name: str, hosts: Iterable[TestHost], deployment: str | None = None,
+                   recipe: str | None = None) -> dict[str, Any]:
+    hosts = tuple(hosts)
+    s = state_dir(name)
+    known_hosts, key = s / "known_hosts", s / "id_ed25519"
+    recipe = recipe or RECIPE_FOR_HOSTS.get(len(hosts))
+    cvars: dict[str, Any] = {"deployment": deployment or default_deployment(name, len(hosts))}
+    if recipe:
+        cvars["recipe"] = recipe
+    cvars.update({
+        "head": hosts[0].name,
+        "api_port": 8000,
+        "known_hosts_file": str(known_hosts),
+        "host_key_checking": True,
+        "ansible_user": "root",
+        "ansible_ssh_private_key_file": str(key),
+        "ansible_ssh_common_args": f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes",
+        "ansible_python_interpreter": python_for_ansible(),
+    })
+    return {"all": {"vars": cvars, "hosts": {h.name: {
+        "ansible_host": h.address,
+        "ansible_port": h.ssh_port,
+        "rank": h.rank,
+        "hardware": "dgx-spark",
+        "gpus": 1,
+        "nvme_dir": str(h.nvme_dir),
+        "model_cache": str(h.model_cache),
+        "docker_host": h.docker_host,
+    } for h in hosts}}}
+
+
+def render_inventory(name: str, hosts: Iterable[TestHost], deployment: str | None = None,
+                     recipe: str | None = None) -> str:
+    hosts = tuple(hosts)
+    head = (f"# Generated by `python -m tests.cluster up --hosts {len(hosts)} --name {name}`.\n"
+            f"# The test cluster's hosts: network namespaces on this machine (tests/cluster/).\n")
+    return head + yaml.safe_dump(inventory_data(name, hosts, deployment, recipe), sort_keys=False,
+                                 default_flow_style=False, width=200)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small system helpers
+
+def _run(argv: list[str], check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise ClusterError(f"{' '.join(argv)} failed ({p.returncode}): {p.stderr.strip()[-1000:]}")
+    return p
+
+
+def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def _link_exists(dev: str, netns: str | None = None) -> bool:
+    argv = ["ip"] + (["-n", netns] if netns else []) + ["link", "show", "dev", dev]
+    return subprocess.run(argv, capture_output=True).returncode == 0
+
+
+def _netns_exists(ns: str) -> bool:
+    return os.path.exists(f"/var/run/netns/{ns}")
+
+
+def _mounts_under(path: Path) -> list[str]:
+    prefix = str(path).rstrip("/") + "/"
+    out = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            mp = line.split()[4].replace("\\040", " ")
+            if mp == str(path) or mp.startswith(prefix):
+                out.append(mp)
+    return out
+
+
+def _read_pid(pidfile: Path) -> int | None:
+    try:
+        return int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _pid_from_file(pidfile: Path, marker: str) -> int | None:
+    """The pid in PIDFILE if that process is alive and its command line holds MARKER (a path of ours),
+    so a recycled pid is never signalled."""
+    pid = _read_pid(pidfile)
+    if pid and _alive(pid) and marker in _cmdline(pid):
+        return pid
+    return None
+
+
+def _stop_pid(pid: int, timeout: float) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _pids_in_netns(ns: str) -> list[int]:
+    try:
+        ino = os.stat(f"/var/run/netns/{ns}").st_ino
+    except OSError:
+        return []
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}/ns/net").st_ino == ino:
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def _docker_ping(sock: Path, timeout: float = 1.0) -> bool:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(str(sock))
+            s.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+            return b" 200 " in s.recv(256)
+    except OSError:
+        return False
+
+
+def _tcp_open(addr: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _wait(what: str, cond: Callable[[], bool], timeout: float, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    tail = ""
+    if log and log.exists():
+        tail = "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+    raise ClusterError(f"{what}: not ready after {timeout:.0f}s{(' (log ' + str(log) + ')') if log else ''}{tail}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The state record
+
+@dataclass
+class State:
+    name: str
+    subnet: str
+    bridge: str
+    hosts: list[dict[str, str]] = field(default_factory=list)    # name, netns, veth, address
+    mounts: list[str] = field(default_factory=list)
+    iptables_rule: list[str] | None = None
+    created: float = 0.0
+
+    @staticmethod
+    def path(name: str) -> Path:
+        return state_dir(name) / "state.json"
+
+    @classmethod
+    def load(cls, name: str) -> "State | None":
+        try:
+            raw = json.loads(cls.path(name).read_text())
+        except (OSError, ValueError):
+            return None
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+
+    def save(self) -> None:
+        state_dir(self.name).mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.path(self.name), json.dumps(asdict(self), indent=2) + "\n")
+
+
+def _iptables_rule(name: str, bridge: str) -> list[str]:
+    # Docker sets FORWARD's policy to DROP and br_netfilter sends bridged frames through it, so
+    # host-to-host traffic on our bridge needs an explicit ACCEPT (scoped to this bridge only).
+    return ["FORWARD", "-i", bridge, "-o", bridge, "-m", "comment", "--comment", f"dctl-testcluster-{name}",
+            "-j", "ACCEPT"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Clean-up: exactly what a state record (and this cluster's own names) say
+
+def _host_dirs(name: str) -> list[Path]:
+    s = state_dir(name)
+    return sorted(p for p in s.glob("node*") if p.is_dir() and re.fullmatch(r"node\d+", p.name))
+
+
+def cleanup(name: str, log: Callable[[str], None] = lambda m: None) -> list[str]:
+    """Remove every leftover of cluster NAME; returns what was removed. Safe when nothing is there."""
+    _check_name(name)
+    removed: list[str] = []
+    s = state_dir(name)
+    st = State.load(name)
+    # Hosts: from the record, plus this cluster's own folders and (record lost) namespace names.
+    hosts = {h["name"]: h for h in (st.hosts if st else [])}
+    for d in _host_dirs(name):
+        hosts.setdefault(d.name, {"name": d.name, "netns": f"dctl-{name}-{d.name}",
+                                  "veth": f"dctl{subnet_index(name)}n{d.name[4:]}"})
+    if not st:
+        for ns in _run(["ip", "netns", "list"], check=False).stdout.split("\n"):
+            ns = ns.split(" ")[0]
+            m = re.fullmatch(rf"dctl-{re.escape(name)}-(node\d+)", ns)
+            if m:
+                hosts.setdefault(m.group(1), {"name": m.group(1), "netns": ns,
+                                              "veth": f"dctl{subnet_index(name)}n{m.group(1)[4:]}"})
+
+    # 1. daemons, by pid file (dockerd first: it stops its containers and its containerd)
+    for h in hosts.values():
+        d = s / h["name"]
+        pid = _pid_from_file(d / "dockerd.pid", str(d))
+        if pid:
+            _stop_pid(pid, timeout=20)
+            removed.append(f"dockerd {h['name']} pid {pid}")
+        pid = _pid_from_file(d / "sshd.pid", str(d))
+        if pid:
+            _stop_pid(pid, timeout=5)
+            removed.append(f"sshd {h['name']} pid {pid}")
+    # 2. anything still inside our namespaces (ssh sessions, containerd shims, containers)
+    for h in hosts.values():
+        for pid in _pids_in_netns(h["netns"]):
+            if pid != os.getpid():
+                _stop_pid(pid, timeout=2)
+                removed.append(f"process {pid} in {h['netns']}")
+    # 3. mounts under the state folder (small_fs, dockerd's overlay and netns mounts if it was killed)
+    recorded = [m for m in (st.mounts if st else []) if os.path.ismount(m)]
+    for mp in sorted(set(_mounts_under(s)) | set(recorded), key=len, reverse=True):
+        if _run(["umount", mp], check=False).returncode != 0:
+            _run(["umount", "-l", mp], check=False)
+        removed.append(f"mount {mp}")
+    # 4. network: veths, namespaces, bridge, iptables rule
+    for h in hosts.values():
+        if _link_exists(h["veth"]):
+            _run(["ip", "link", "del", h["veth"]], check=False)
+            removed.append(f"veth {h['veth']}")
+        if _netns_exists(h["netns"]):
+            _run(["ip", "netns", "del", h["netns"]], check=False)
+            removed.append(f"netns {h['netns']}")
+    br = st.bridge if st else bridge_name(name)
+    if _link_exists(br):
+        _run(["ip", "link", "del", br], check=False)
+        removed.append(f"bridge {br}")
+    rule = st.iptables_rule if st and st.iptables_rule else _iptables_rule(name, br)
+    while _run(["iptables", "-C", *rule], check=False).returncode == 0:
+        _run(["iptables", "-D", *rule], check=False)
+        removed.append("iptables rule")
+    # 5. the state folder itself, once nothing is mounted below it (rmtree would follow into a mount)
+    if s.exists():
+        left = _mounts_under(s)
+        if left:
+            raise ClusterError(f"cannot remove {s}: still mounted: {left}")
+        shutil.rmtree(s)
+        removed.append(f"folder {s}")
+    log_msg = ", ".join(removed) if removed else "nothing"
+    log(f"cleanup {name}: {log_msg}")
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------
+# The cluster
+
+def _sshd_config(c: "TestCluster", h: TestHost) -> str:
+    return "\n".join([
+        f"# sshd for test host {h.name} of cluster {c.name} (tests/cluster)",
+        f"ListenAddress {h.address}:{h.ssh_port}",
+        f"HostKey {h.dir}/ssh_host_ed25519_key",
+        f"PidFile {h.dir}/sshd.pid",
+        f"AuthorizedKeysFile {c.state_dir}/authorized_keys",
+        "PermitRootLogin prohibit-password",     # key-only root login
+        "PubkeyAuthentication yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",                             # no PAM session set-up: no login records, no systemd
+        "UseDNS no",                             # no reverse lookups (no DNS here)
+        "PrintMotd no",
+        "MaxStartups 200",                       # tests open many connections at once
+        "MaxSessions 100",
+        f"SetEnv DOCKER_HOST={h.docker_host}",   # `docker` over SSH talks to this host's own engine
+        "Subsystem sftp internal-sftp",
+        "",
+    ])
+
+
+@dataclass(frozen=True)
+class TestCluster:
+    name: str
+    hosts: tuple[TestHost, ...]
+    deployment: str
+
+    __test__ = False
+
+    # -- paths ---------------------------------------------------------------------------------
+    @property
+    def state_dir(self) -> Path:
+        return state_dir(self.name)
+
+    @property
+    def inventory_path(self) -> Path:
+        return self.state_dir / "inventory.yml"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.state_dir / "known_hosts"
+
+    @property
+    def client_key(self) -> Path:
+        return self.state_dir / "id_ed25519"
+
+    @property
+    def bridge(self) -> str:
+        return bridge_name(self.name)
+
+    @property
+    def bridge_address(self) -> str:
+        return bridge_address(self.name)
+
+    def host(self, host: "str | TestHost") -> TestHost:
+        name = host.name if isinstance(host, TestHost) else host
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise ClusterError(f"cluster {self.name} has no host {name!r} "
+                           f"(hosts: {', '.join(h.name for h in self.hosts)})")
+
+    @classmethod
+    def attach(cls, name: str) -> "TestCluster":
+        """The running cluster NAME, from its state record."""
+        st = State.load(name)
+        if not st:
+            raise ClusterError(f"no test cluster {name!r} (no {State.path(name)})")
+        n = len(st.hosts)
+        inv = state_dir(name) / "inventory.yml"
+        dep = default_deployment(name, n)
+        if inv.exists():
+            dep = (yaml.safe_load(inv.read_text()) or {}).get("all", {}).get("vars", {}).get("deployment", dep)
+        return cls(name=name, hosts=plan_hosts(name, n), deployment=dep)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    @classmethod
+    def up(cls, name: str = "local", n_hosts: int = 4, deployment: str | None = None,
+           recipe: str | None = None, log: Callable[[str], None] = lambda m: None) -> "TestCluster":
+        _check_name(name)
+        if os.geteuid() != 0:
+            raise ClusterError("the test cluster needs root (network namespaces, mounts)")
+        if os.path.exists("/run/containerd/containerd.sock"):
+            # dockerd 20.10 would use that shared containerd instead of its own: containers with
+            # --network host would then run in the root namespace, not in the test host's.
+            raise ClusterError("/run/containerd/containerd.sock exists: a system containerd runs; "
+                               "the test hosts' dockerds need their own (stop it or use another machine)")
+        hosts = plan_hosts(name, n_hosts)
+        _check_subnet_free(name)
+        cleanup(name, log)
+        c = cls(name=name, hosts=hosts, deployment=deployment or default_deployment(name, n_hosts))
+        try:
+            c._create(recipe, log)
+        except BaseException:
+            log(f"up {name} failed: removing what it made")
+            cleanup(name, log)
+            raise
+        return c
+
+    def down(self, log: Callable[[str], None] = lambda m: None) -> list[str]:
+        return cleanup(self.name, log)
+
+    def _create(self, recipe: str | None, log: Callable[[str], None]) -> None:
+        t0 = time.monotonic()
+        s = self.state_dir
+        s.mkdir(parents=True, exist_ok=True)
+        os.chmod(s, 0o755)
+        st = State(name=self.name, subnet=f"10.213.{subnet_index(self.name)}.0/24", bridge=self.bridge,
+                   created=time.time())
+        st.hosts = [{"name": h.name, "netns": h.netns, "veth": h.veth, "address": h.address} for h in self.hosts]
+        st.iptables_rule = _iptables_rule(self.name, self.bridge)
+        st.save()                       # recorded before anything is made
+
+        # keys: one client key, one host key per host
+        procs = [subprocess.Popen(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"dctl-{self.name}-client",
+                                   "-f", str(self.client_key)], stdout=subprocess.DEVNULL)]
+        for h in self.hosts:
+            for sub in (h.dir, h.nvme_dir, h.model_cache, h.dir / "docker", h.dir / "run"):
+                sub.mkdir(parents=True, exist_ok=True)
+            procs.append(subprocess.Popen(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"{h.name}",
+                                           "-f", str(h.dir / "ssh_host_ed25519_key")], stdout=subprocess.DEVNULL))
+        for p in procs:
+            if p.wait() != 0:
+                raise ClusterError(f"ssh-keygen failed: {p.args}")
+        _write_atomic(s / "authorized_keys", (s / "id_ed25519.pub").read_text(), 0o600)
+
+        # network
+        br = self.bridge
+        _run(["ip", "link", "add", br, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{self.bridge_address}/24", "dev", br])
+        _run(["ip", "link", "set", br, "up"])
+        _run(["iptables", "-I", "FORWARD", "1", *st.iptables_rule])
+        for h in self.hosts:
+            _run(["ip", "netns", "add", h.netns])
+            _run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns])
+            _run(["ip", "link", "set", h.veth, "master", br, "up"])
+            _run(["ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0"])
+            _run(["ip", "-n", h.netns, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", h.netns, "link", "set", "lo", "up"])
+
+        # daemons: every dockerd at once (they are the slow part), then every sshd
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)     # sshd's privilege separation folder
+        for h in self.hosts:
+            _write_atomic(h.dir / "sshd_config", _sshd_config(self, h))
+            _write_atomic(h.dir / "daemon.json", "{}\n")
+            self._spawn_dockerd(h)
+        for h in self.hosts:
+            self._spawn_sshd(h)
+        for h in self.hosts:
+            _wait(f"dockerd of {h.name}", lambda h=h: _docker_ping(h.docker_sock), 60, h.dir / "dockerd.log")
+            _wait(f"sshd of {h.name} on {h.address}:{h.ssh_port}", lambda h=h: _tcp_open(h.address, h.ssh_port),
+                  15, h.dir / "sshd.log")
+
+        # client side
+        lines = []
+        for h in self.hosts:
+            kind, b64 = (h.dir / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+            hostpat = h.address if h.ssh_port == 22 else f"[{h.address}]:{h.ssh_port}"
+            lines.append(f"{hostpat} {kind} {b64}\n")
+        _write_atomic(self.known_hosts, "".join(lines))
+        _write_atomic(self.inventory_path, render_inventory(self.name, self.hosts, self.deployment, recipe))
+        log(f"up {self.name}: {len(self.hosts)} hosts in {time.monotonic() - t0:.1f}s")
+
+    def _spawn_dockerd(self, h: TestHost) -> None:
+        # nsenter --net only (not `ip netns exec`, which remounts /sys so the cgroup mounts vanish)
+        argv = ["nsenter", f"--net={h.netns_path}", "dockerd",
+                "--config-file", str(h.dir / "daemon.json"),   # never the machine's /etc/docker/daemon.json
+                "--data-root", str(h.dir / "docker"), "--exec-root", str(h.dir / "run"),
+                "--host", h.docker_host, "--pidfile", str(h.dir / "dockerd.pid"),
+                "--bridge", "none", "--iptables=false", "--ip-masq=false", "--ip-forward=false",
+                "--shutdown-timeout", "3"]
+        with open(h.dir / "dockerd.log", "ab") as logf:
+            subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
+
+    def _spawn_sshd(self, h: TestHost) -> None:
+        pidfile = h.dir / "sshd.pid"
+        pidfile.unlink(missing_ok=True)
+        # sshd daemonizes and writes PidFile; -E keeps its log in the host's folder
+        _run(["nsenter", f"--net={h.netns_path}", "/usr/sbin/sshd", "-f", str(h.dir / "sshd_config"),
+              "-E", str(h.dir / "sshd.log")])
+        _wait(f"sshd pid file of {h.name}", pidfile.exists, 10, h.dir / "sshd.log")
+
+    # -- images --------------------------------------------------------------------------------
+    def load_image(self, host: "str | TestHost", image: str) -> None:
+        """Move IMAGE from the local engine into HOST's engine (docker save | docker load)."""
+        copy_image(image, LOCAL_ENGINE, self.host(host).docker_host)
+
+    # -- faults --------------------------------------------------------------------------------
+    def link_down(self, host: "str | TestHost") -> None:
+        _run(["ip", "-n", self.host(host).netns, "link", "set", "eth0", "down"])
+
+    def link_up(self, host: "str | TestHost") -> None:
+        _run(["ip", "-n", self.host(host).netns, "link", "set", "eth0", "up"])
+
+    def stop_sshd(self, host: "str | TestHost") -> None:
+        h = self.host(host)
+        pid = _pid_from_file(h.dir / "sshd.pid", str(h.dir))
+        if pid:
+            _stop_pid(pid, timeout=5)
+
+    def start_sshd(self, host: "str | TestHost") -> None:
+        h = self.host(host)
+        if not _pid_from_file(h.dir / "sshd.pid", str(h.dir)):
+            self._spawn_sshd(h)
+        _wait(f"sshd of {h.name}", lambda: _tcp_open(h.address, h.ssh_port), 15, h.dir / "sshd.log")
+
+    def stop_dockerd(self, host: "str | TestHost") -> None:
+        h = self.host(host)
+        pid = _pid_from_file(h.dir / "dockerd.pid", str(h.dir))
+        if pid:
+            _stop_pid(pid, timeout=20)
+
+    def start_dockerd(self, host: "str | TestHost") -> None:
+        h = self.host(host)
+        if not _pid_from_file(h.dir / "dockerd.pid", str(h.dir)):
+            self._spawn_dockerd(h)
+        _wait(f"dockerd of {h.name}", lambda: _docker_ping(h.docker_sock), 60, h.dir / "dockerd.log")
+
+    def small_fs(self, host: "str | TestHost", path: str | Path, size_mb: int) -> Path:
+        """Mount a size-limited tmpfs at PATH (relative to the host's folder, or absolute inside it)
+        so writes there hit ENOSPC past SIZE_MB. Recorded, so down/up unmounts it."""
+        h = self.host(host)
+        p = Path(path)
+        p = (h.dir / p) if not p.is_absolute() else p
+        p = Path(os.path.normpath(p))
+        if not str(p).startswith(str(h.dir) + "/"):
+            raise ClusterError(f"small_fs: {p} is not inside {h.name}'s folder {h.dir}")
+        st = State.load(self.name)
+        if st is None:
+            raise ClusterError(f"cluster {self.name} is not up")
+        if str(p) not in st.mounts:
+            st.mounts.append(str(p))
+            st.save()                   # recorded before it is made
+        p.mkdir(parents=True, exist_ok=True)
+        _run(["mount", "-t", "tmpfs", "-o", f"size={int(size_mb)}m,mode=0755", f"dctl-{self.name}", str(p)])
+        return p
+
+    def unmount_small_fs(self, host: "str | TestHost", path: str | Path) -> None:
+        h = self.host(host)
+        p = Path(path)
+        p = Path(os.path.normpath(h.dir / p if not p.is_absolute() else p))
+        _run(["umount", str(p)], check=False)
+        st = State.load(self.name)
+        if st and str(p) in st.mounts and not _mounts_under(p):
+            st.mounts.remove(str(p))
+            st.save()
+
+    # -- running things ------------------------------------------------------------------------
+    def nsexec(self, host: "str | TestHost", argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run ARGV inside HOST's network namespace directly (no SSH), with its DOCKER_HOST."""
+        h = self.host(host)
+        env = {**os.environ, "DOCKER_HOST": h.docker_host}
+        return subprocess.run(["nsenter", f"--net={h.netns_path}", *argv], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+
+    def ssh_target(self, host: "str | TestHost", known_hosts: str | Path | None = None,
+                   connect_timeout: float = 5.0):
+        """deployctl's SSH executor target for HOST (orchestrator/executors/ssh.py)."""
+        from orchestrator.executors.ssh import SSHTarget
+        h = self.host(host)
+        return SSHTarget(host=h.name, address=h.address, port=h.ssh_port, user="root",
+                         key_file=str(self.client_key),
+                         known_hosts_file=str(known_hosts if known_hosts is not None else self.known_hosts),
+                         connect_timeout=connect_timeout)
+
+    def status(self) -> list[dict[str, Any]]:
+        out = []
+        for h in self.hosts:
+            link = _run(["ip", "-n", h.netns, "-o", "link", "show", "eth0"], check=False).stdout
+            out.append({
+                "host": h.name, "address": h.address, "netns": h.netns if _netns_exists(h.netns) else None,
+                "link": "up" if ",UP" in link or "<UP" in link else ("down" if link else "missing"),
+                "sshd": _pid_from_file(h.dir / "sshd.pid", str(h.dir)),
+                "dockerd": _pid_from_file(h.dir / "dockerd.pid", str(h.dir)),
+                "docker": _docker_ping(h.docker_sock, 0.5),
+            })
+        return out
+
+
+def _check_subnet_free(name: str) -> None:
+    """Two cluster names whose hashes meet would share a /24 and interface names: refuse, clearly."""
+    idx = subnet_index(name)
+    if not STATE_ROOT.exists():
+        return
+    for other in STATE_ROOT.iterdir():
+        if other.name != name and (other / "state.json").exists() and subnet_index(other.name) == idx:
+            raise ClusterError(f"cluster name {name!r} maps to 10.213.{idx}.0/24, already used by cluster "
+                               f"{other.name!r}: pick another name or take that one down")
+
+
+def list_clusters() -> list[str]:
+    if not STATE_ROOT.exists():
+        return []
+    return sorted(p.name for p in STATE_ROOT.iterdir() if (p / "state.json").exists())
