@@ -12,7 +12,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..recipe import TableGeometry
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class TableGeometry:
+    """A hashed n-gram table: per layer, one sub-table per (order, head), prime-sized."""
+    layers: tuple[int, ...]
+    orders: tuple[int, ...]
+    heads_per_order: int
+    vocab_per_order: tuple[int, ...]   # base vocabulary size per order, same length as orders
+    row_values: int                    # values per row (FP8: bytes per row)
+    dtype: str = "F8_E4M3"
+
+    def validate(self, path: str, file: str) -> None:
+        if len(self.vocab_per_order) != len(self.orders):
+            raise InputError(f"has {len(self.vocab_per_order)} entries but orders has "
+                             f"{len(self.orders)}; give one base vocabulary size per order",
+                             file=file, key=f"{path}.vocab_per_order")
+        for name in ("heads_per_order", "row_values"):
+            if getattr(self, name) < 1:
+                raise InputError("must be >= 1", file=file, key=f"{path}.{name}")
+        if not self.layers:
+            raise InputError("needs at least one layer", file=file, key=f"{path}.layers")
+
 
 _SMALL_PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
 

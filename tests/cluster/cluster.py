@@ -74,8 +74,10 @@ def default_deployment(name: str, n: int) -> str:
 
 def python_for_ansible() -> str:
     """The python3 that has pyyaml on this machine (hosts share its filesystem), outside any venv."""
-    exe = getattr(sys, "_base_executable", None) or sys.executable
-    return os.environ.get("DCTL_ANSIBLE_PYTHON", exe)
+    exe = Path(getattr(sys, "_base_executable", None) or sys.executable)
+    if (exe.parent / "python3").exists():
+        exe = exe.parent / "python3"
+    return os.environ.get("DCTL_ANSIBLE_PYTHON", str(exe))
 
 
 @dataclass(frozen=True)
@@ -553,7 +555,7 @@ class TestCluster:
         _run(["ip", "link", "add", br, "type", "bridge"])
         _run(["ip", "addr", "add", f"{self.bridge_address}/24", "dev", br])
         _run(["ip", "link", "set", br, "up"])
-        _run(["iptables", "-I", "FORWARD", "1", *st.iptables_rule])
+        _run(["iptables", "-I", st.iptables_rule[0], "1", *st.iptables_rule[1:]])
         for h in self.hosts:
             _run(["ip", "netns", "add", h.netns])
             _run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns])

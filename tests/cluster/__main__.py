@@ -1,0 +1,70 @@
+"""python -m tests.cluster up|down|status|images — see tests/cluster/cluster.py for the layout."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .cluster import ClusterError, TestCluster, cleanup, list_clusters
+from .images import ensure_base_images
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.cluster", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="(re)create a test cluster; removes a previous run's leftovers first")
+    up.add_argument("--hosts", type=int, default=4)
+    up.add_argument("--name", default="local")
+    up.add_argument("--deployment", default=None, help="deployment name in the inventory (default NAME+HOSTS)")
+    up.add_argument("--recipe", default=None, help="recipe in the inventory (default by host count)")
+    up.add_argument("--images", action="store_true", help="also make the base images and load them on every host")
+    down = sub.add_parser("down", help="stop and remove everything the cluster's state records")
+    down.add_argument("--name", default="local")
+    st = sub.add_parser("status", help="list clusters and their hosts")
+    st.add_argument("--name", default=None)
+    sub.add_parser("images", help="make the base images in the local engine (cached)")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "up":
+            t0 = time.monotonic()
+            c = TestCluster.up(a.name, a.hosts, deployment=a.deployment, recipe=a.recipe, log=_log)
+            if a.images:
+                images = ["dctl-busybox:latest", "dctl-debian:bookworm"]
+                ensure_base_images()
+                for h in c.hosts:
+                    for img in images:
+                        c.load_image(h, img)
+            for h in c.hosts:
+                print(f"{h.name}  ssh -i {c.client_key} -o UserKnownHostsFile={c.known_hosts} "
+                      f"root@{h.address}   DOCKER_HOST={h.docker_host}")
+            _log(f"up in {time.monotonic() - t0:.1f}s")
+            print(c.inventory_path)
+        elif a.cmd == "down":
+            t0 = time.monotonic()
+            cleanup(a.name, log=_log)
+            _log(f"down in {time.monotonic() - t0:.1f}s")
+        elif a.cmd == "status":
+            names = [a.name] if a.name else list_clusters()
+            if not names:
+                print("no test clusters")
+            for name in names:
+                c = TestCluster.attach(name)
+                print(f"cluster {name}: bridge {c.bridge} {c.bridge_address}/24, inventory {c.inventory_path}")
+                for s in c.status():
+                    print(f"  {s['host']:<8} {s['address']:<14} link {s['link']:<7} "
+                          f"sshd {s['sshd'] or '-'!s:<8} dockerd {s['dockerd'] or '-'!s:<8} "
+                          f"engine {'ok' if s['docker'] else 'down'}")
+        elif a.cmd == "images":
+            print(ensure_base_images() or "cached")
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
