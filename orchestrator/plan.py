@@ -61,14 +61,14 @@ class Plan:
         return next(s for s in self.stages if s.name == name)
 
     def to_json(self) -> dict[str, Any]:
-        from .secrets import mask_data
+        from .secrets import mask_data, mask_override
         dep = self.deployment
         doc = {
             "version": PLAN_VERSION,
             "deployment": dep.name,
             "inventory": str(dep.cluster.file),
             "recipe": {"name": dep.recipe.name, "path": str(dep.loaded.path),
-                       "digest": dep.recipe.digest, "overrides": list(dep.loaded.overrides)},
+                       "digest": dep.recipe.digest, "overrides": [mask_override(o) for o in dep.loaded.overrides]},
             "head": dep.cluster.head,
             "api": f"http://{dep.cluster.head_host.address}:{dep.cluster.api_port}",
             "hosts": [{"name": h.name, "address": h.address, "rank": h.rank, "hardware": h.hardware,

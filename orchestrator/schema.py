@@ -43,14 +43,15 @@ def convert(tp: Any, value: Any, path: str, file: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
+        arms = [a for a in args if a is not type(None)]
+        if len(arms) == 1:
+            # Optional[X]: X's own error (e.g. an unknown key deep inside) is the useful one.
+            return convert(arms[0], value, path, file)
+        for a in arms:
             try:
                 return convert(a, value, path, file)
-            except InputError as e:
-                errors.append(e)
+            except InputError:
+                continue
         raise InputError(f"expected {_type_name(tp)}, got {value!r}", file=file, key=path)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path, file)

@@ -50,3 +50,9 @@ def mask_data(data: Any, values: list[str] | None = None) -> Any:
     if isinstance(data, str):
         return mask_text(data, values)
     return data
+
+
+def mask_override(expr: str) -> str:
+    """`engine.env.HF_TOKEN=hf_...` -> `engine.env.HF_TOKEN=***`."""
+    key, sep, value = expr.partition("=")
+    return f"{key}={MASK}" if sep and is_secret_name(key.rsplit(".", 1)[-1]) and value else expr

@@ -1,0 +1,105 @@
+"""plan / up --dry-run: ordered stages, one action per host, exact commands, pure, secrets masked."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.deployment import load_deployment
+from orchestrator.paths import INVENTORIES_DIR
+from orchestrator.plan import build_plan
+
+STAGE_ORDER = ["preflight", "build", "ship", "sync-model", "stage-engram", "write-ple", "launch",
+               "health"]
+CASES = [("spark4", "deepseek-v41-flash-tp4"), ("spark8", "deepseek-v41-flash-tp8-nvme"),
+         ("spark8", "deepseek-v41-flash-tp8-mem"), ("spark1", "qwen38-flash-next-spark"),
+         ("rtx1", "qwen38-flash-next-rtx")]
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=60)
+
+
+@pytest.mark.parametrize("inv, recipe", CASES)
+def test_plan_json_for_every_recipe(inv, recipe):
+    p = cli("plan", "-i", str(INVENTORIES_DIR / f"{inv}.yml"), "--recipe", recipe, "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["version"] == 1 and doc["recipe"]["name"] == recipe
+    assert [s["name"] for s in doc["stages"]] == STAGE_ORDER
+    hosts = [h["name"] for h in doc["hosts"]]
+    launch = next(s for s in doc["stages"] if s["name"] == "launch")
+    assert sorted(a["host"] for a in launch["actions"]) == sorted(hosts)
+    for st in doc["stages"]:
+        for a in st["actions"]:
+            assert a["host"] in hosts
+            assert a.get("command") or a.get("api"), f"{st['name']} action says what it runs"
+        if not st["actions"]:
+            assert st.get("note"), f"{st['name']} says why it has nothing to do"
+
+
+def test_dry_run_equals_plan():
+    inv = str(INVENTORIES_DIR / "spark4.yml")
+    a = cli("plan", "-i", inv, "--json")
+    b = cli("up", "-i", inv, "--dry-run", "--json")
+    assert a.returncode == b.returncode == 0
+    assert json.loads(a.stdout) == json.loads(b.stdout)
+
+
+def test_engram_staging_depends_on_placement():
+    inv = INVENTORIES_DIR / "spark8.yml"
+    nvme = build_plan(load_deployment(inv, "deepseek-v41-flash-tp8-nvme"))
+    mem = build_plan(load_deployment(inv, "deepseek-v41-flash-tp8-mem"))
+    assert len(nvme.stage("stage-engram").actions) == 8
+    assert mem.stage("stage-engram").actions == ()
+    assert "memory" in mem.stage("stage-engram").note
+
+
+def test_rtx_writes_no_ple_file():
+    plan = build_plan(load_deployment(INVENTORIES_DIR / "rtx1.yml"))
+    assert plan.stage("write-ple").actions == () and "pinned" in plan.stage("write-ple").note
+
+
+def test_only_and_skip():
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
+    assert [s.name for s in build_plan(dep, only=("build", "ship")).stages] == ["build", "ship"]
+    assert "build" not in [s.name for s in build_plan(dep, skip=("build",)).stages]
+
+
+def test_planning_is_pure():
+    """Planning never imports the executors (Docker SDK, paramiko, ansible-runner)."""
+    code = ("import sys; from orchestrator.deployment import load_deployment; "
+            "from orchestrator.plan import build_plan; "
+            f"build_plan(load_deployment({str(INVENTORIES_DIR / 'spark4.yml')!r})); "
+            "bad = [m for m in ('docker', 'paramiko', 'ansible_runner') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_secrets_are_masked_in_plans():
+    token = "hf_SuperSecretToken123456"
+    inv = str(INVENTORIES_DIR / "spark4.yml")
+    p = cli("plan", "-i", inv, "--json", "--set", f"engine.env.HF_TOKEN={token}",
+            env={"HF_TOKEN": token})
+    assert p.returncode == 0, p.stderr
+    assert token not in p.stdout and token not in p.stderr
+    p = cli("plan", "-i", inv, "--set", f"engine.env.HF_TOKEN={token}", env={"HF_TOKEN": token})
+    assert token not in p.stdout
+    # Not in the operator's environment: the secret-named key alone is enough to mask it.
+    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+    p = subprocess.run([sys.executable, "-m", "orchestrator", "plan", "-i", inv, "--json", "--set",
+                        f"engine.env.HF_TOKEN={token}"], capture_output=True, text=True, env=env)
+    assert p.returncode == 0 and token not in p.stdout and "HF_TOKEN=***" in p.stdout
+
+
+def test_help_for_every_command():
+    for cmd in ("up", "plan", "build", "ship", "stage", "ple", "launch", "health", "status", "logs",
+                "down", "bench", "engram", "sync-model"):
+        p = cli(cmd, "--help")
+        assert p.returncode == 0 and "Usage:" in p.stdout, cmd
+        assert len(p.stdout.splitlines()) > 4, f"{cmd} --help says something useful"

@@ -1,0 +1,65 @@
+"""Run records and per-host failures as values (runner + RunContext), with real subprocesses."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+from orchestrator import runner
+from orchestrator.deployment import load_deployment
+from orchestrator.paths import INVENTORIES_DIR
+from orchestrator.plan import Action, Plan, StagePlan
+from orchestrator.runrecord import RunContext
+from orchestrator.stages.base import HostFailure, Stage, run_per_host
+
+SECRET = "hf_abcdefghijklmnop0123"
+
+
+def _apply(dep, actions, ctx):
+    def one(action, log):
+        p = subprocess.run(["sh", "-c", action.command[0]], capture_output=True, text=True, timeout=10)
+        log.write(p.stdout)
+        if p.returncode:
+            raise HostFailure(f"command exited {p.returncode}", rc=p.returncode)
+        return "ran"
+    return run_per_host(actions, ctx, one)
+
+
+def test_run_record_and_failure_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
+    ok = "echo hello; echo fine"
+    bad = f"echo loading; echo token {SECRET}; echo 'CUDA error: out of memory'; exit 3"
+    stage = Stage("launch", lambda d: ([], ""), _apply)
+    monkeypatch.setattr(runner, "get_stage", lambda name: stage)
+    plan = Plan(dep, (
+        StagePlan("launch", tuple(Action("launch", h.name, "sh", "test", command=(bad if h.rank == 2 else ok,))
+                                  for h in dep.cluster.hosts)),
+        StagePlan("health", (Action("health", "spark1", "sh", "never runs", command=(ok,)),)),
+    ))
+    ctx = RunContext(tmp_path / "run")
+    out = runner.run(plan, ctx, "up")
+    ctx.close()
+
+    assert out.status == "failed" and out.exit_code == 1
+    assert [s.name for s in out.stages] == ["launch"], "no stage runs after a failed one"
+    results = {r.host: r for r in out.stages[0].results}
+    assert {h for h, r in results.items() if r.ok} == {"spark1", "spark2", "spark4"}, \
+        "the other hosts' results are kept"
+    failed = results["spark3"]
+    assert failed.rc == 3 and failed.stage == "launch"
+    text = runner.describe_failure(failed)
+    assert "spark3: stage launch failed (exit code 3)" in text
+    assert "CUDA error: out of memory" in text and failed.log_path in text
+    assert SECRET not in text and SECRET not in (tmp_path / "run" / "logs" / "spark3" / "launch.log").read_text()
+
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed" and status["exit_code"] == 1
+    plan_doc = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan_doc["deployment"] == "spark4"
+    events = [json.loads(l) for l in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "stage-start" and kinds[-1] == "run-end"
+    assert sum(1 for e in events if e["event"] == "action-end") == 4
+    for h in ("spark1", "spark2", "spark3", "spark4"):
+        assert (tmp_path / "run" / "logs" / h / "launch.log").exists()
+    assert SECRET not in (tmp_path / "run" / "events.jsonl").read_text()
