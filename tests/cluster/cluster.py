@@ -239,23 +239,26 @@ def _pid_from_file(pidfile: Path, marker: str) -> int | None:
     return None
 
 
-def _stop_pid(pid: int, timeout: float) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _alive(pid):
+def _stop_pids(pids: Iterable[int], timeout: float) -> None:
+    """SIGTERM all at once, wait up to TIMEOUT for all, then SIGKILL the ones still alive."""
+    pids = [p for p in pids if _alive(p)]
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if _alive(p)]
+            if pids:
+                time.sleep(0.05)
+        if not pids:
             return
-        time.sleep(0.05)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
+
+
+def _stop_pid(pid: int, timeout: float) -> None:
+    _stop_pids([pid], timeout)
 
 
 def _pids_in_netns(ns: str) -> list[int]:
@@ -369,23 +372,38 @@ def cleanup(name: str, log: Callable[[str], None] = lambda m: None) -> list[str]
                 hosts.setdefault(m.group(1), {"name": m.group(1), "netns": ns,
                                               "veth": f"dctl{subnet_index(name)}n{m.group(1)[4:]}"})
 
-    # 1. daemons, by pid file (dockerd first: it stops its containers and its containerd)
+    # 0. containers: killed through each engine that still answers (a dockerd stopping them itself
+    #    waits each one's 10 s stop timeout)
+    kills = []
+    for h in hosts.values():
+        sock = s / h["name"] / "docker.sock"
+        if _docker_ping(sock, 0.5):
+            ids = _run(["docker", "-H", f"unix://{sock}", "ps", "-q"], check=False, timeout=15).stdout.split()
+            if ids:
+                removed.append(f"containers {h['name']}: {' '.join(ids)}")
+                kills.append(subprocess.Popen(["docker", "-H", f"unix://{sock}", "kill", *ids],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    for k in kills:
+        try:
+            k.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            k.kill()
+            k.wait()
+    # 1. daemons, by pid file, all at once (dockerd stops its containerd)
+    daemons = []
     for h in hosts.values():
         d = s / h["name"]
-        pid = _pid_from_file(d / "dockerd.pid", str(d))
-        if pid:
-            _stop_pid(pid, timeout=20)
-            removed.append(f"dockerd {h['name']} pid {pid}")
-        pid = _pid_from_file(d / "sshd.pid", str(d))
-        if pid:
-            _stop_pid(pid, timeout=5)
-            removed.append(f"sshd {h['name']} pid {pid}")
-    # 2. anything still inside our namespaces (ssh sessions, containerd shims, containers)
-    for h in hosts.values():
-        for pid in _pids_in_netns(h["netns"]):
-            if pid != os.getpid():
-                _stop_pid(pid, timeout=2)
-                removed.append(f"process {pid} in {h['netns']}")
+        for daemon in ("dockerd", "sshd"):
+            pid = _pid_from_file(d / f"{daemon}.pid", str(d))
+            if pid:
+                daemons.append(pid)
+                removed.append(f"{daemon} {h['name']} pid {pid}")
+    _stop_pids(daemons, timeout=20)
+    # 2. anything still inside our namespaces (ssh sessions, containerd and shims of a killed
+    #    dockerd, containers): found by namespace identity, never by name
+    stray = [pid for h in hosts.values() for pid in _pids_in_netns(h["netns"]) if pid != os.getpid()]
+    removed += [f"process {pid} ({_cmdline(pid)[:40].strip()})" for pid in stray]
+    _stop_pids(stray, timeout=3)
     # 3. mounts under the state folder (small_fs, dockerd's overlay and netns mounts if it was killed)
     recorded = [m for m in (st.mounts if st else []) if os.path.ismount(m)]
     for mp in sorted(set(_mounts_under(s)) | set(recorded), key=len, reverse=True):

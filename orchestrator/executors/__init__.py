@@ -1,0 +1,1 @@
+"""Executors: the only code that touches the world (SSH, Docker, Ansible)."""
