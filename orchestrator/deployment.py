@@ -22,6 +22,15 @@ class Deployment:
     def name(self) -> str:
         return self.cluster.name
 
+    @property
+    def api_port(self) -> int:
+        """The inventory's api_port, else the recipe's engine.port."""
+        return self.cluster.api_port or self.recipe.engine.port
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.cluster.head_host.address}:{self.api_port}"
+
     def checkpoint_dir(self, host: Host) -> str:
         """The checkpoint folder on `host`: HF cache layout unless the recipe names a folder."""
         m = self.recipe.model

@@ -36,6 +36,8 @@ CLUSTER_KEYS = {
     "host_key_checking": "check SSH host keys (default true; false is an explicit opt-out)",
     "recipe_overrides": "mapping of recipe key.path: value applied before --set",
     "run_dir": "where run records go (default ./runs)",
+    "expect_gpus": "false on hosts without GPUs (the local test cluster): no --gpus, no GPU checks",
+    "expect_arch": "override the architecture preflight expects (default: the hardware kind's)",
 }
 DEFAULT_INVENTORY = INVENTORIES_DIR / "local4.yml"
 
@@ -68,12 +70,14 @@ class Cluster:
     file: Path
     recipe: str | None
     head: str
-    api_port: int
+    api_port: int | None                 # None: the recipe's engine.port
     hosts: tuple[Host, ...]              # sorted by rank
     known_hosts_file: str | None = None
     host_key_checking: bool = True
     recipe_overrides: tuple[str, ...] = ()
     run_dir: str = "runs"
+    expect_gpus: bool = True
+    expect_arch: str | None = None
 
     @property
     def head_host(self) -> Host:
@@ -170,12 +174,15 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     overrides = cvars.get("recipe_overrides") or {}
     if not isinstance(overrides, dict):
         raise err("expected a mapping of recipe key.path: value", "all.vars.recipe_overrides")
-    api_port = cvars.get("api_port", 8000)
-    if not isinstance(api_port, int) or not 0 < api_port < 65536:
+    api_port = cvars.get("api_port")
+    if api_port is not None and (not isinstance(api_port, int) or not 0 < api_port < 65536):
         raise err(f"expected a TCP port number, got {api_port!r}", "all.vars.api_port")
     hkc = cvars.get("host_key_checking", True)
     if not isinstance(hkc, bool):
         raise err(f"expected true or false, got {hkc!r}", "all.vars.host_key_checking")
+    expect_gpus = cvars.get("expect_gpus", True)
+    if not isinstance(expect_gpus, bool):
+        raise err(f"expected true or false, got {expect_gpus!r}", "all.vars.expect_gpus")
     return Cluster(
         name=str(cvars.get("deployment") or p.stem),
         file=p,
@@ -187,6 +194,8 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         host_key_checking=hkc,
         recipe_overrides=tuple(f"{k}={_yaml_scalar(v)}" for k, v in overrides.items()),
         run_dir=str(cvars.get("run_dir", "runs")),
+        expect_gpus=expect_gpus,
+        expect_arch=cvars.get("expect_arch"),
     )
 
 

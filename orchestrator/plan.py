@@ -70,7 +70,7 @@ class Plan:
             "recipe": {"name": dep.recipe.name, "path": str(dep.loaded.path),
                        "digest": dep.recipe.digest, "overrides": [mask_override(o) for o in dep.loaded.overrides]},
             "head": dep.cluster.head,
-            "api": f"http://{dep.cluster.head_host.address}:{dep.cluster.api_port}",
+            "api": dep.api_url,
             "hosts": [{"name": h.name, "address": h.address, "rank": h.rank, "hardware": h.hardware,
                        "gpus": h.gpus, "nvme_dir": h.nvme_dir, "model_cache": h.model_cache}
                       for h in dep.cluster.hosts],

@@ -35,6 +35,9 @@ class EngramSpec:
     layout: Literal["sparse", "packed"] = "sparse"
     subdir: str = "engram"               # below the host's nvme_dir
     free_margin_gb: float = 5.0          # NVMe free space kept beyond the staged bytes
+    # Engine environment for Engram-on-disk (patched vLLM); set only when placement is nvme.
+    nvme_env: dict[str, str] = field(default_factory=lambda: {
+        "DSV41_ENGRAM_DISK": "1", "DSV41_ENGRAM_DISK_THREADS": "32", "DSV41_ENGRAM_DISK_CHUNK": "16"})
 
 
 @dataclass(frozen=True)

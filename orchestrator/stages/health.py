@@ -7,8 +7,8 @@ from .base import Stage
 
 
 def plan(dep):
-    head, port, r = dep.cluster.head_host, dep.cluster.api_port, dep.recipe
-    base = f"http://{head.address}:{port}"
+    head, r = dep.cluster.head_host, dep.recipe
+    base = dep.api_url
     act = Action("health", head.name, "http-checks",
                  f"wait for {base}/health, {r.engine.served_name} in /v1/models, a chat completion",
                  api=f"GET {base}/health; GET {base}/v1/models; POST {base}/v1/chat/completions "
