@@ -6,7 +6,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.cluster import TestCluster, ensure_base_images
+from tests.cluster import TestCluster, cluster_lock, ensure_base_images
 
 CLUSTER_HOSTS = 4
 
@@ -17,11 +17,12 @@ def cluster() -> Iterator[TestCluster]:
     (never 'local', a person's demo cluster). Leftovers of a killed run of the same name are
     removed first; everything it started is removed at the end."""
     name = os.environ.get("DCTL_CLUSTER_NAME", "pytest")
-    c = TestCluster.up(name, CLUSTER_HOSTS)
-    try:
-        yield c
-    finally:
-        c.down()
+    with cluster_lock(name, log=print):       # another session of the same name: wait, don't trample
+        c = TestCluster.up(name, CLUSTER_HOSTS)
+        try:
+            yield c
+        finally:
+            c.down()
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,10 @@
 From Python / pytest: `TestCluster.up(name, n_hosts)`, `.down()`, `.hosts`, `.inventory_path`,
 `.known_hosts`, `.client_key`, fault helpers (`link_down`, `stop_sshd`, `small_fs`, ...).
 """
-from .cluster import (ClusterError, TestCluster, TestHost, cleanup, list_clusters, plan_hosts,
+from .cluster import (ClusterError, TestCluster, TestHost, cleanup, cluster_lock, list_clusters, plan_hosts,
                       render_inventory, state_dir, subnet_index)
 from .images import BUSYBOX_IMAGE, DEBIAN_IMAGE, copy_image, ensure_base_images, image_present
 
-__all__ = ["BUSYBOX_IMAGE", "DEBIAN_IMAGE", "ClusterError", "TestCluster", "TestHost", "cleanup",
+__all__ = ["BUSYBOX_IMAGE", "DEBIAN_IMAGE", "ClusterError", "TestCluster", "TestHost", "cleanup", "cluster_lock",
            "copy_image", "ensure_base_images", "image_present", "list_clusters", "plan_hosts",
            "render_inventory", "state_dir", "subnet_index"]

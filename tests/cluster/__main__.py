@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 
-from .cluster import ClusterError, TestCluster, cleanup, list_clusters
+from .cluster import ClusterError, TestCluster, cleanup, cluster_lock, list_clusters
 from .images import ensure_base_images
 
 
@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "up":
             t0 = time.monotonic()
-            c = TestCluster.up(a.name, a.hosts, deployment=a.deployment, recipe=a.recipe, log=_log)
+            with cluster_lock(a.name, timeout=60, log=_log):
+                c = TestCluster.up(a.name, a.hosts, deployment=a.deployment, recipe=a.recipe, log=_log)
             if a.images:
                 images = ["dctl-busybox:latest", "dctl-debian:bookworm"]
                 ensure_base_images()
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
             print(c.inventory_path)
         elif a.cmd == "down":
             t0 = time.monotonic()
-            cleanup(a.name, log=_log)
+            with cluster_lock(a.name, timeout=60, log=_log):
+                cleanup(a.name, log=_log)
             _log(f"down in {time.monotonic() - t0:.1f}s")
         elif a.cmd == "status":
             names = [a.name] if a.name else list_clusters()

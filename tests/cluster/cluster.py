@@ -17,6 +17,8 @@ pattern: processes by pid file (after checking the pid is ours) or by being insi
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -29,7 +31,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import yaml
 
@@ -306,6 +308,42 @@ def _wait(what: str, cond: Callable[[], bool], timeout: float, log: Path | None 
     if log and log.exists():
         tail = "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
     raise ClusterError(f"{what}: not ready after {timeout:.0f}s{(' (log ' + str(log) + ')') if log else ''}{tail}")
+
+
+@contextlib.contextmanager
+def cluster_lock(name: str, timeout: float = 900.0, log: Callable[[str], None] = lambda m: None) -> Iterator[None]:
+    """Hold cluster NAME for one user: a pytest session holds it while its cluster is up, so a second
+    session (or a CLI up/down) of the same name waits instead of tearing the first one's hosts down.
+    The kernel drops the lock when its holder dies, so a killed run never leaves it held."""
+    _check_name(name)
+    STATE_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(STATE_ROOT / f".{name}.lock", "a+") as fh:
+        deadline = time.monotonic() + timeout
+        told = False
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                fh.seek(0)
+                holder = fh.read().strip() or "?"
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"test cluster {name!r} is in use by {holder} (waited {timeout:.0f}s); "
+                                       f"use another name (DCTL_CLUSTER_NAME / --name)") from None
+                if not told:
+                    log(f"test cluster {name!r} is in use by {holder}: waiting")
+                    told = True
+                time.sleep(0.5)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} ({' '.join(sys.argv)[:120]})\n")
+        fh.flush()
+        try:
+            yield
+        finally:
+            fh.seek(0)
+            fh.truncate()
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 # ---------------------------------------------------------------------------------------------------
