@@ -1,6 +1,7 @@
-"""launch: the engine containers on every host (placeholder)."""
+"""launch: the engine containers on every host."""
 from __future__ import annotations
 
+from ..launch.render import container_spec
 from ..plan import Action
 from ._pending import not_implemented
 from .base import Stage
@@ -8,10 +9,14 @@ from .base import Stage
 
 def plan(dep):
     e = dep.recipe.engine
-    acts = [Action("launch", h.name, "docker-run",
-                   f"start {e.kind} rank {h.rank} from {e.image} on {h.name}",
-                   api=f"Docker SDK at {h.ssh_url}: containers.run({e.image})")
-            for h in dep.cluster.hosts]
+    acts = []
+    for h in dep.cluster.hosts:
+        spec = container_spec(dep, h, None, None)
+        role = "head" if h.name == dep.cluster.head else "worker"
+        acts.append(Action("launch", h.name, "docker-run",
+                           f"start {e.kind} rank {h.rank} ({role}) from {e.image} on {h.name}",
+                           command=tuple(spec.docker_run_argv()), details={"container": spec.to_json()},
+                           digest=spec.digest))
     return acts, ""
 
 

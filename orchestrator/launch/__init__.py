@@ -1,0 +1,1 @@
+"""Launching the engine: argv/env/container rendering (pure), fabric choice, and lifecycle."""

@@ -1,0 +1,180 @@
+"""What runs on each host: the engine's argv (from jinja2 templates), its environment,
+and the container around it. Pure: facts detected on hosts come in as arguments.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+
+from ..deployment import Deployment
+from ..errors import InputError
+from ..inventory import Host
+from ..paths import RECIPES_DIR
+from .fabric import Fabric, fabric_env
+
+# Where host folders appear inside the engine container.
+MODEL_MOUNT = "/model"
+ENGRAM_MOUNT = "/engram"
+PLE_MOUNT = "/ple"
+LABEL = "deployctl.deployment"
+
+# Flags deployctl renders from structured recipe fields; setting them in engine.args would
+# contradict those fields, so it is an error that names the field to change instead.
+RESERVED = {
+    "vllm": {"served-model-name": "engine.served_name", "port": "engine.port (or api_port)",
+             "host": "(always 0.0.0.0)", "tensor-parallel-size": "parallelism.tensor_parallel",
+             "nnodes": "parallelism.nodes", "node-rank": "the inventory's ranks",
+             "master-addr": "the head's fabric address", "master-port": "engine.master_port",
+             "headless": "(ranks > 0)"},
+    "sglang": {"served-model-name": "engine.served_name", "port": "engine.port (or api_port)",
+               "host": "(always 0.0.0.0)", "tp-size": "parallelism.tensor_parallel",
+               "model-path": "model / engine.model", "ple-offload-backend": "ple.placement",
+               "ple-offload-dir": "ple.placement and the host's nvme_dir"},
+}
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    host: str
+    rank: int
+    name: str
+    image: str
+    argv: tuple[str, ...]
+    env: dict[str, str]                   # values may hold ${VAR} references (expanded at run)
+    mounts: tuple[tuple[str, str, str], ...]   # (host path, container path, "ro"|"rw")
+    labels: dict[str, str]
+    shm_size: str
+    gpus: bool                            # request all GPUs (--gpus all)
+    rdma_devices: bool                    # pass /dev/infiniband
+    fabric_note: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def digest(self) -> str:
+        """Same digest = the same container would be started (used to skip a relaunch)."""
+        doc = {"image": self.image, "argv": self.argv, "env": self.env, "mounts": self.mounts,
+               "shm": self.shm_size, "gpus": self.gpus, "rdma": self.rdma_devices,
+               "options": self.options}
+        return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def docker_run_argv(self) -> list[str]:
+        """The equivalent `docker run` command line (shown in plans and runbooks)."""
+        a = ["docker", "run", "-d", "--name", self.name, "--network", "host", "--ipc", "host",
+             "--shm-size", self.shm_size, "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864:67108864"]
+        if self.gpus:
+            a += ["--gpus", "all"]
+        if self.rdma_devices:
+            a += ["--device", "/dev/infiniband"]
+        for k, v in sorted(self.labels.items()):
+            a += ["--label", f"{k}={v}"]
+        for src, dst, mode in self.mounts:
+            a += ["-v", f"{src}:{dst}:{mode}"]
+        for k, v in self.env.items():
+            a += ["-e", f"{k}={v}"]
+        return a + [self.image, *self.argv]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "image": self.image, "argv": list(self.argv), "env": self.env,
+                "mounts": [list(m) for m in self.mounts], "labels": self.labels,
+                "shm_size": self.shm_size, "gpus": self.gpus, "rdma_devices": self.rdma_devices,
+                "digest": self.digest, "fabric": self.fabric_note,
+                "docker_run": self.docker_run_argv()}
+
+
+def _argval(v: Any) -> str:
+    if isinstance(v, (dict, list, tuple)):
+        return json.dumps(v, separators=(", ", ": "))
+    if isinstance(v, float) and v.is_integer():
+        return str(v)
+    return str(v)
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(RECIPES_DIR / "engines")),
+                             trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined,
+                             autoescape=False, keep_trailing_newline=False)
+    env.filters["argval"] = _argval
+    return env
+
+
+def _check_args(dep: Deployment) -> list[tuple[str, Any]]:
+    e = dep.recipe.engine
+    reserved = RESERVED[e.kind]
+    for flag in e.args:
+        if flag.startswith("-"):
+            raise InputError(f"flag names are given without dashes (write {flag.lstrip('-')!r})",
+                             file=str(dep.loaded.path), key=f"engine.args.{flag}")
+        if flag in reserved:
+            raise InputError(f"--{flag} is set by deployctl from {reserved[flag]}; change that instead",
+                             file=str(dep.loaded.path), key=f"engine.args.{flag}")
+    # false / null mean "leave the flag out".
+    return [(k, v) for k, v in e.args.items() if v is not False and v is not None]
+
+
+def engine_argv(dep: Deployment, host: Host, master_addr: str) -> tuple[str, ...]:
+    r, e = dep.recipe, dep.recipe.engine
+    ple = r.ple
+    ctx = {
+        "model": e.model or MODEL_MOUNT, "served_name": e.served_name, "port": dep.api_port,
+        "tp": r.parallelism.tensor_parallel, "nnodes": r.parallelism.nodes, "rank": host.rank,
+        "master_addr": master_addr, "master_port": e.master_port, "args": _check_args(dep),
+        "ple_backend": {"nvme": "file", "pinned": "pinned"}.get(ple.placement) if ple else None,
+        "ple_dir": PLE_MOUNT if ple and ple.placement == "nvme" else None,
+    }
+    text = _env().get_template(f"{e.kind}.argv.j2").render(**ctx)
+    return tuple(line.strip() for line in text.splitlines() if line.strip())
+
+
+def container_spec(dep: Deployment, host: Host, fabric: Fabric | None,
+                   head_fabric: Fabric | None) -> ContainerSpec:
+    """The container for `host`. `fabric`/`head_fabric` are the detected fabrics (None in a plan:
+    the inventory's overrides or the management addresses stand in, and the note says so)."""
+    r, e, c = dep.recipe, dep.recipe.engine, dep.cluster
+    head = c.head_host
+    master = (head_fabric.address if head_fabric else None) or head.fabric_address or head.address
+    env: dict[str, str] = {}
+    env.update(e.env)
+    if r.engram and r.engram.placement == "nvme":
+        env.update(r.engram.nvme_env)
+    note = ""
+    multi = r.parallelism.nodes > 1
+    if multi:
+        if fabric:
+            env.update(fabric_env(fabric))
+            note = fabric.reason
+        else:
+            note = ("fabric detected at launch (ConnectX-7 netdev, RoCE devices); "
+                    + (f"override iface {host.fabric_iface}" if host.fabric_iface else "no override"))
+    mounts = [(dep.checkpoint_dir(host), MODEL_MOUNT, "ro")]
+    if r.engram and r.engram.placement == "nvme":
+        mounts.append((dep.engram_dir(host), ENGRAM_MOUNT, "ro"))
+    if r.ple and r.ple.placement == "nvme":
+        mounts.append((dep.ple_dir(host), PLE_MOUNT, "ro"))
+    labels = {LABEL: dep.name, "deployctl.rank": str(host.rank), "deployctl.recipe": r.name,
+              "deployctl.role": "head" if host.name == head.name else "worker"}
+    spec = ContainerSpec(
+        host=host.name, rank=host.rank, name=e.container_name or f"deployctl-{dep.name}",
+        image=e.image, argv=engine_argv(dep, host, master), env=env, mounts=tuple(mounts),
+        labels=labels, shm_size=e.shm_size, gpus=host.gpus > 0 and c.expect_gpus,
+        rdma_devices=bool(fabric and fabric.hcas), fabric_note=note)
+    return spec
+
+
+def env_references(env: dict[str, str]) -> list[str]:
+    """Names of operator variables that `${VAR}` values refer to."""
+    return sorted({m for v in env.values() for m in _ENV_REF.findall(v)})
+
+
+def expand_env(env: dict[str, str], source: dict[str, str], where: str) -> dict[str, str]:
+    """Resolve ${VAR} from the operator's environment at launch (never stored in plans)."""
+    missing = [n for n in env_references(env) if n not in source]
+    if missing:
+        raise InputError(f"engine.env refers to ${{{missing[0]}}}, which is not set in your environment",
+                         file=where, key="engine.env")
+    return {k: _ENV_REF.sub(lambda m: source[m.group(1)], v) for k, v in env.items()}

@@ -1,0 +1,157 @@
+"""Engine command lines and environments rendered from recipes, checked flag by flag."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator.deployment import load_deployment
+from orchestrator.errors import InputError
+from orchestrator.launch.fabric import Fabric, choose_fabric, fabric_env
+from orchestrator.launch.render import container_spec, expand_env
+from orchestrator.paths import INVENTORIES_DIR
+
+
+def flags(argv) -> dict[str, object]:
+    """--flag value / --flag (bare -> True) pairs of an argv."""
+    out, i = {}, 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--"):
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                out[a[2:]] = argv[i + 1]
+                i += 2
+                continue
+            out[a[2:]] = True
+        i += 1
+    return out
+
+
+def test_vllm_tp4_every_recipe_argument_on_every_rank():
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
+    e = dep.recipe.engine
+    fab = {h.name: Fabric(f"enp1s0f{h.rank % 2}np{h.rank % 2}", f"10.10.0.{h.rank + 1}", ("mlx5_0",), "t")
+           for h in dep.cluster.hosts}
+    head = fab["spark1"]
+    for h in dep.cluster.hosts:
+        spec = container_spec(dep, h, fab[h.name], head)
+        assert spec.argv[:3] == ("vllm", "serve", "/model")
+        f = flags(spec.argv)
+        for k, v in e.args.items():
+            if v is True:
+                assert f[k] is True, k
+            elif isinstance(v, dict):
+                assert json.loads(f[k]) == v, k
+            else:
+                assert str(f[k]) == str(v) or float(f[k]) == float(v), k
+        assert f["tensor-parallel-size"] == "4" and f["nnodes"] == "4"
+        assert f["node-rank"] == str(h.rank)
+        assert f["master-addr"] == "10.10.0.1", "workers join the head's FABRIC address"
+        assert f["master-port"] == str(e.master_port)
+        assert f["served-model-name"] == "deepseek-v4.1-flash" and f["port"] == "8000"
+        assert ("headless" in f) == (h.rank > 0)
+        # Environment: recipe env, Engram-on-disk env (placement nvme), this host's own fabric.
+        assert spec.env["OMP_NUM_THREADS"] == "1"
+        assert spec.env["DSV41_ENGRAM_DISK"] == "1" and spec.env["DSV41_ENGRAM_DISK_THREADS"] == "32"
+        assert spec.env["DSV41_ENGRAM_DISK_CHUNK"] == "16"
+        assert spec.env["NCCL_SOCKET_IFNAME"] == fab[h.name].iface, "never the head's iface name"
+        assert spec.env["VLLM_HOST_IP"] == fab[h.name].address
+        assert spec.env["NCCL_IB_HCA"] == "mlx5_0" and spec.env["NCCL_IB_DISABLE"] == "0"
+        assert ("/mnt/nvme/deployctl/engram", "/engram", "ro") in spec.mounts
+        assert spec.gpus and spec.rdma_devices
+        run = spec.docker_run_argv()
+        for opt in ("--network", "--ipc", "--shm-size", "--gpus"):
+            assert opt in run
+        assert "memlock=-1:-1" in run and "--device" in run
+
+
+def test_engram_in_memory_drops_disk_env_and_mount():
+    dep = load_deployment(INVENTORIES_DIR / "spark8.yml", "deepseek-v41-flash-tp8-mem")
+    spec = container_spec(dep, dep.cluster.hosts[0], None, None)
+    assert not any(k.startswith("DSV41_ENGRAM") for k in spec.env)
+    assert not any(m[1] == "/engram" for m in spec.mounts)
+    assert flags(spec.argv)["max-model-len"] == "300000"
+    nvme = load_deployment(INVENTORIES_DIR / "spark8.yml", "deepseek-v41-flash-tp8-nvme")
+    assert flags(container_spec(nvme, nvme.cluster.hosts[0], None, None).argv)["max-model-len"] == "1048576"
+
+
+def test_sglang_spark_file_backend():
+    dep = load_deployment(INVENTORIES_DIR / "spark1.yml")
+    spec = container_spec(dep, dep.cluster.hosts[0], None, None)
+    assert spec.argv[:3] == ("python3", "-m", "sglang.launch_server")
+    f = flags(spec.argv)
+    assert f["model-path"] == "/model" and f["tp-size"] == "1"
+    assert f["ple-offload-backend"] == "file" and f["ple-offload-dir"] == "/ple"
+    assert f["speculative-algorithm"] == "NEXTN" and f["speculative-num-steps"] == "3"
+    assert f["speculative-eagle-topk"] == "1" and f["speculative-num-draft-tokens"] == "4"
+    assert f["max-running-requests"] == "8" and f["mem-fraction-static"] == "0.8"
+    assert ("/mnt/nvme/deployctl/ple", "/ple", "ro") in spec.mounts
+    assert "NCCL_SOCKET_IFNAME" not in spec.env, "single node: no fabric variables"
+
+
+def test_sglang_rtx_pinned_backend():
+    dep = load_deployment(INVENTORIES_DIR / "rtx1.yml")
+    f = flags(container_spec(dep, dep.cluster.hosts[0], None, None).argv)
+    assert f["ple-offload-backend"] == "pinned" and "ple-offload-dir" not in f
+    assert f["max-running-requests"] == "16"
+
+
+def test_reserved_flag_in_args_is_refused():
+    with pytest.raises(InputError) as e:
+        dep = load_deployment(INVENTORIES_DIR / "spark4.yml", sets=("engine.args.tensor-parallel-size=8",))
+        container_spec(dep, dep.cluster.hosts[0], None, None)
+    assert "engine.args.tensor-parallel-size" in str(e.value)
+    assert "parallelism.tensor_parallel" in str(e.value)
+
+
+def test_false_leaves_a_flag_out():
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml", sets=("engine.args.enable-auto-tool-choice=false",))
+    assert "--enable-auto-tool-choice" not in container_spec(dep, dep.cluster.hosts[0], None, None).argv
+
+
+def test_env_references_expand_at_launch_only():
+    env = {"HF_TOKEN": "${HF_TOKEN}", "A": "x"}
+    assert expand_env(env, {"HF_TOKEN": "secret"}, "r.yml")["HF_TOKEN"] == "secret"
+    with pytest.raises(InputError, match=r"\$\{HF_TOKEN\}, which is not set"):
+        expand_env(env, {}, "r.yml")
+
+
+FACTS = {
+    "net": {"lo": {"operstate": "unknown", "addrs": ["127.0.0.1"]},
+            "enP7s7": {"operstate": "up", "addrs": ["192.168.1.20"]},
+            "wlP9s9": {"operstate": "up", "wireless": True, "addrs": ["192.168.2.20"]},
+            "enp1s0f0np0": {"operstate": "down", "addrs": []},
+            "enp1s0f1np1": {"operstate": "up", "addrs": ["10.10.0.2"]}},
+    "rdma": [{"dev": "rocep1s0f0", "port": "1", "state": "1: DOWN", "link_layer": "Ethernet",
+              "netdevs": ["enp1s0f0np0"]},
+             {"dev": "rocep1s0f1", "port": "1", "state": "4: ACTIVE", "link_layer": "Ethernet",
+              "netdevs": ["enp1s0f1np1"]}],
+    "route_to_head": "enP7s7",
+}
+
+
+def test_fabric_picks_the_active_roce_netdev_not_management_or_wifi():
+    f = choose_fabric("spark2", FACTS)
+    assert f.iface == "enp1s0f1np1" and f.address == "10.10.0.2" and f.hcas == ("rocep1s0f1",)
+    env = fabric_env(f)
+    assert env["NCCL_IB_HCA"] == "rocep1s0f1" and env["UCX_NET_DEVICES"] == "enp1s0f1np1"
+    assert env["GLOO_SOCKET_IFNAME"] == env["TP_SOCKET_IFNAME"] == "enp1s0f1np1"
+
+
+def test_fabric_without_rdma_uses_route_to_head_never_wifi():
+    facts = {**FACTS, "rdma": [], "route_to_head": "wlP9s9"}
+    with pytest.raises(InputError, match="no usable fabric interface"):
+        choose_fabric("spark2", facts, mgmt_address="192.168.2.20")
+    facts = {**FACTS, "rdma": [], "route_to_head": "enP7s7"}
+    f = choose_fabric("spark2", facts)
+    assert f.iface == "enP7s7" and f.hcas == () and fabric_env(f)["NCCL_IB_DISABLE"] == "1"
+
+
+def test_fabric_override_is_checked():
+    assert choose_fabric("s", FACTS, override_iface="enP7s7").iface == "enP7s7"
+    with pytest.raises(InputError, match="does not exist"):
+        choose_fabric("s", FACTS, override_iface="eth9")
+    with pytest.raises(InputError, match="wireless"):
+        choose_fabric("s", FACTS, override_iface="wlP9s9")
+    with pytest.raises(InputError, match="not up"):
+        choose_fabric("s", FACTS, override_iface="enp1s0f0np0")
