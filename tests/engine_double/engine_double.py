@@ -1,0 +1,1218 @@
+#!/usr/bin/env python3
+"""Engine double: a small, real program that stands in for vLLM and SGLang in tests.
+
+Standard library only (runs in a minimal Debian image with python3). One file.
+
+Command lines accepted (the real ones):
+    python3 engine_double.py vllm serve MODEL [--flag value | --bare-flag]...
+    python3 engine_double.py sglang --model-path M [--flag value]...
+    vllm serve MODEL ...                      (via shims/vllm)
+    python3 -m sglang.launch_server ...       (via shims/sglang/launch_server.py)
+
+What it does, in order:
+  1. parses the command line (unknown flags recorded; JSON-valued flags validated -> exit 2),
+  2. records argv + environment (secrets masked) to $DOUBLE_RECORD_DIR/argv-<engine>-rank<R>.json,
+  3. DOUBLE_FAIL=crash-at-start -> exit 3,
+  4. multi-node rendezvous (vLLM --nnodes > 1): head listens on 0.0.0.0:--master-port, workers connect,
+  5. staged-data checks (Engram ranges -> exit 5, SGLang PLE file -> exit 6),
+  6. simulated loading with progress lines (DOUBLE_LOAD_S),
+  7. head only: binds --host:--port and serves an OpenAI-style API with deterministic, timed tokens.
+
+Environment knobs (all optional):
+  DOUBLE_RECORD_DIR      folder for argv-<engine>-rank<R>.json
+  DOUBLE_TTFT_MS         first-token delay, ms (default 50)
+  DOUBLE_TOKENS_PER_S    decode rate after the first token (default 100)
+  DOUBLE_MAX_CONCURRENCY requests generating at once; more are queued (default: unlimited)
+  DOUBLE_LOAD_S          simulated weight loading time, s (default 1)
+  DOUBLE_JOIN_TIMEOUT_S  worker: how long to retry reaching the head; head: how long to wait for workers (600)
+  DOUBLE_PEER_TIMEOUT_S  silence on a head<->worker link after which the peer counts as dead (10)
+  DOUBLE_FAIL            crash-at-start | never-ready | crash-later | slow | error-mid
+  DOUBLE_FAIL_RANK       apply DOUBLE_FAIL only on this node rank (default: every rank)
+  DOUBLE_CRASH_AFTER_S   crash-later: seconds after ready before exit 4 (default 5)
+  DOUBLE_ERROR_AFTER     error-mid: successful requests before HTTP 500s start (default 5)
+  DSV41_ENGRAM_DISK=1 + DOUBLE_ENGRAM_DIR   read DIR/engram-local.json, print the row ranges
+  DOUBLE_EXPECT_RANGES   JSON ({"layers": {...}} or {...}); differs from engram-local.json -> exit 5
+
+Exit codes: 0 stopped by SIGTERM/SIGINT, 1 runtime failure (rendezvous, bind, lost peer),
+2 command-line error, 3 crash-at-start, 4 crash-later, 5 Engram data mismatch, 6 PLE table problem.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+DOUBLE_VERSION = "0.1.0"
+
+# Flags whose value the real engine parses as JSON (a bad value is an argparse error, exit 2).
+JSON_FLAGS = {
+    "vllm": {"speculative-config", "compilation-config", "default-chat-template-kwargs",
+             "limit-mm-per-prompt", "hf-overrides", "override-generation-config",
+             "kv-transfer-config", "model-loader-extra-config", "mm-processor-kwargs"},
+    "sglang": {"json-model-override-args"},
+}
+INT_FLAGS = {
+    "vllm": {"tensor-parallel-size", "pipeline-parallel-size", "data-parallel-size", "nnodes",
+             "node-rank", "master-port", "port", "max-num-seqs", "max-num-batched-tokens", "block-size"},
+    "sglang": {"tp-size", "tensor-parallel-size", "dp-size", "port", "max-running-requests",
+               "context-length", "speculative-num-steps", "speculative-eagle-topk",
+               "speculative-num-draft-tokens", "nnodes", "node-rank", "chunked-prefill-size"},
+}
+FLOAT_FLAGS = {
+    "vllm": {"gpu-memory-utilization"},
+    "sglang": {"mem-fraction-static"},
+}
+CHOICES = {
+    "vllm": {"distributed-executor-backend": ("mp", "ray", "uni", "external_launcher")},
+    "sglang": {"ple-offload-backend": ("file", "pinned")},
+}
+# Flags that take no value. Anything spelled --enable-*/--disable-*/--no-* is also treated as bare.
+BOOL_FLAGS = {
+    "vllm": {"headless", "trust-remote-code", "enforce-eager", "async-scheduling", "skip-tokenizer-init",
+             "use-tqdm-on-load", "disable-log-requests", "disable-log-stats"},
+    "sglang": {"trust-remote-code", "skip-server-warmup", "log-requests", "is-embedding",
+               "allow-auto-truncate", "skip-tokenizer-init"},
+}
+NARGS_PLUS = {"served-model-name"}
+ARGV_SECRET_FLAGS = {"api-key", "hf-token", "token", "admin-api-key"}
+ENV_SECRET_MARKERS = ("TOKEN", "SECRET", "KEY", "PASSWORD")
+FAIL_MODES = ("crash-at-start", "never-ready", "crash-later", "slow", "error-mid")
+
+USAGE = """usage: engine_double.py vllm serve MODEL [--flag value | --bare-flag]...
+       engine_double.py sglang --model-path MODEL [--flag value]...
+(an engine double for tests; see the module docstring for the DOUBLE_* environment knobs)"""
+
+
+class UsageError(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------------------------- output
+
+_print_lock = threading.Lock()
+_log_prefix = "[engine-double]"
+
+
+def _line_buffer() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
+
+
+def log(msg: str, level: str = "INFO") -> None:
+    stamp = time.strftime("%m-%d %H:%M:%S")
+    line = f"{level} {stamp} {_log_prefix} {msg}"
+    stream = sys.stderr if level in ("ERROR", "WARNING") else sys.stdout
+    with _print_lock:
+        print(line, file=stream, flush=True)
+
+
+def die(code: int, msg: str) -> None:
+    """Exit the whole process at once, from any thread (like an engine crash)."""
+    log(msg, "ERROR")
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def sleep_until(deadline: float) -> None:
+    """Sleep until a time.monotonic() deadline (no drift: always measured against the deadline)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(left)
+
+
+# ---------------------------------------------------------------------------------------- arguments
+
+def _norm(name: str) -> str:
+    return name.lstrip("-").replace("_", "-")
+
+
+def _is_bool_flag(engine: str, key: str) -> bool:
+    return key in BOOL_FLAGS[engine] or key.startswith(("enable-", "disable-", "no-"))
+
+
+def _is_value_token(tok: str) -> bool:
+    return not tok.startswith("-") or bool(re.fullmatch(r"-\d+(\.\d*)?([eE][-+]?\d+)?", tok))
+
+
+def _parse_len(value: str) -> int:
+    """vLLM accepts human-readable lengths such as 300k or 1m."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", value.strip())
+    if not m:
+        raise ValueError(value)
+    mult = {"": 1, "k": 1000, "K": 1024, "m": 1000 ** 2, "M": 1024 ** 2, "g": 1000 ** 3, "G": 1024 ** 3}
+    return int(float(m.group(1)) * mult[m.group(2)])
+
+
+def parse_flags(engine: str, tokens: list[str]) -> tuple[list[str], dict, list]:
+    """Generic argparse-like scan. Returns (positionals, flags{normalized: value}, ordered [(flag, value)])."""
+    positionals: list[str] = []
+    flags: dict = {}
+    order: list = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        i += 1
+        if tok == "--":
+            positionals.extend(tokens[i:])
+            break
+        if not tok.startswith("-") or tok == "-" or _is_value_token(tok):
+            positionals.append(tok)
+            continue
+        if "=" in tok and tok.startswith("--"):
+            name, value = tok.split("=", 1)
+            key = _norm(name)
+        else:
+            name, key = tok, _norm(tok)
+            if key in NARGS_PLUS:
+                vals = []
+                while i < len(tokens) and _is_value_token(tokens[i]):
+                    vals.append(tokens[i])
+                    i += 1
+                if not vals:
+                    raise UsageError(f"argument {name}: expected at least one argument")
+                value = vals if len(vals) > 1 else vals[0]
+            elif _is_bool_flag(engine, key):
+                value = True
+                if i < len(tokens) and tokens[i].lower() in ("true", "false"):
+                    value = tokens[i].lower() == "true"
+                    i += 1
+            elif i < len(tokens) and _is_value_token(tokens[i]):
+                value = tokens[i]
+                i += 1
+            else:
+                value = True
+        flags[key] = value
+        order.append((name, value))
+    return positionals, flags, order
+
+
+def _validate(engine: str, flags: dict) -> None:
+    for key, value in flags.items():
+        if key in JSON_FLAGS[engine]:
+            if value is True:
+                raise UsageError(f"argument --{key}: expected one argument")
+            try:
+                json.loads(value)
+            except (TypeError, ValueError) as exc:
+                raise UsageError(f"argument --{key}: invalid loads value: {value!r} ({exc})") from None
+        elif key in INT_FLAGS[engine]:
+            try:
+                int(value)
+            except (TypeError, ValueError):
+                raise UsageError(f"argument --{key}: invalid int value: {value!r}") from None
+        elif key in FLOAT_FLAGS[engine]:
+            try:
+                float(value)
+            except (TypeError, ValueError):
+                raise UsageError(f"argument --{key}: invalid float value: {value!r}") from None
+        elif key in CHOICES[engine] and value not in CHOICES[engine][key]:
+            choices = ", ".join(repr(c) for c in CHOICES[engine][key])
+            raise UsageError(f"argument --{key}: invalid choice: {value!r} (choose from {choices})")
+
+
+class Config:
+    """Everything the double needs from the command line."""
+
+    def __init__(self, engine: str, args: list[str]):
+        self.engine = engine
+        if engine == "vllm":
+            if not args or args[0] != "serve":
+                raise UsageError("the double only simulates 'vllm serve MODEL ...'")
+            self.record_argv = ["vllm", *args]
+            positionals, flags, order = parse_flags(engine, args[1:])
+            self.model = positionals[0] if positionals else flags.get("model")
+            self.extra_positionals = positionals[1:]
+            if not self.model or self.model is True:
+                raise UsageError("the following arguments are required: model_tag")
+        else:
+            self.record_argv = ["python3", "-m", "sglang.launch_server", *args]
+            positionals, flags, order = parse_flags(engine, args)
+            self.model = flags.get("model-path") or flags.get("model")
+            self.extra_positionals = positionals
+            if not self.model or self.model is True:
+                raise UsageError("the following arguments are required: --model-path")
+        _validate(engine, flags)
+        self.flags = flags
+        self.order = order
+        served = flags.get("served-model-name") or self.model
+        self.served_names = list(served) if isinstance(served, list) else [served]
+        self.host = str(flags.get("host", "0.0.0.0"))
+        self.port = int(flags.get("port", 8000))
+        self.node_rank = int(flags.get("node-rank", 0))
+        self.nnodes = int(flags.get("nnodes", 1))
+        if engine == "vllm":
+            self.tp = int(flags.get("tensor-parallel-size", 1))
+            self.headless = bool(flags.get("headless", False))
+            self.master_addr = str(flags.get("master-addr", "127.0.0.1"))
+            self.master_port = int(flags.get("master-port", 29501))
+            raw_len = flags.get("max-model-len")
+        else:
+            self.tp = int(flags.get("tp-size", flags.get("tensor-parallel-size", 1)))
+            self.headless = False
+            self.master_addr, self.master_port = "127.0.0.1", 0
+            raw_len = flags.get("context-length")
+            if self.nnodes != 1:
+                raise UsageError("the double simulates single-node SGLang only (--nnodes 1)")
+        try:
+            self.max_model_len = _parse_len(str(raw_len)) if raw_len not in (None, True) else 8192
+        except ValueError:
+            raise UsageError(f"argument --max-model-len: invalid value: {raw_len!r}") from None
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
+
+    @property
+    def is_worker(self) -> bool:
+        return self.nnodes > 1 and self.node_rank > 0
+
+    @property
+    def serves_api(self) -> bool:
+        return self.node_rank == 0 and not self.headless
+
+    def masked_argv(self) -> list[str]:
+        out, mask_next = [], False
+        for tok in self.record_argv:
+            if mask_next:
+                out.append("***")
+                mask_next = False
+                continue
+            if tok.startswith("--") and _norm(tok.split("=", 1)[0]) in ARGV_SECRET_FLAGS:
+                if "=" in tok:
+                    out.append(tok.split("=", 1)[0] + "=***")
+                else:
+                    out.append(tok)
+                    mask_next = True
+                continue
+            out.append(tok)
+        return out
+
+
+def _env_num(name: str, default: float, kind=float, minimum: float | None = None):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise UsageError(f"environment {name}={raw!r} is not a valid {kind.__name__}") from None
+    if minimum is not None and value < minimum:
+        raise UsageError(f"environment {name}={raw!r} must be >= {minimum}")
+    return value
+
+
+class Knobs:
+    def __init__(self, node_rank: int):
+        self.ttft_s = _env_num("DOUBLE_TTFT_MS", 50.0, minimum=0) / 1000.0
+        self.tokens_per_s = _env_num("DOUBLE_TOKENS_PER_S", 100.0, minimum=1e-6)
+        self.max_concurrency = _env_num("DOUBLE_MAX_CONCURRENCY", 0, int, minimum=0)
+        self.load_s = _env_num("DOUBLE_LOAD_S", 1.0, minimum=0)
+        self.join_timeout_s = _env_num("DOUBLE_JOIN_TIMEOUT_S", 600.0, minimum=0)
+        self.peer_timeout_s = _env_num("DOUBLE_PEER_TIMEOUT_S", 10.0, minimum=0.5)
+        self.crash_after_s = _env_num("DOUBLE_CRASH_AFTER_S", 5.0, minimum=0)
+        self.error_after = _env_num("DOUBLE_ERROR_AFTER", 5, int, minimum=0)
+        fail = os.environ.get("DOUBLE_FAIL", "").strip()
+        if fail and fail not in FAIL_MODES:
+            raise UsageError(f"environment DOUBLE_FAIL={fail!r}: choose from {', '.join(FAIL_MODES)}")
+        fail_rank = _env_num("DOUBLE_FAIL_RANK", -1, int)
+        self.fail = fail if fail and (fail_rank < 0 or fail_rank == node_rank) else ""
+
+
+def masked_env(env: dict) -> dict:
+    return {k: ("***" if any(m in k.upper() for m in ENV_SECRET_MARKERS) else v) for k, v in sorted(env.items())}
+
+
+# ------------------------------------------------------------------------------------- staged data
+
+def _ranges_shape(obj, what: str) -> dict:
+    layers = obj.get("layers", obj) if isinstance(obj, dict) else None
+    if not isinstance(layers, dict):
+        raise ValueError(f"{what}: expected {{\"layers\": {{\"<layer>\": [lo, hi]}}}}")
+    out = {}
+    for layer, rng in layers.items():
+        if not (isinstance(rng, list) and len(rng) == 2 and all(isinstance(x, int) for x in rng)):
+            raise ValueError(f"{what}: layer {layer}: expected [lo, hi], got {rng!r}")
+        out[str(layer)] = [int(rng[0]), int(rng[1])]
+    return out
+
+
+def check_engram(cfg: Config) -> None:
+    if os.environ.get("DSV41_ENGRAM_DISK") != "1" or not os.environ.get("DOUBLE_ENGRAM_DIR"):
+        return
+    folder = os.environ["DOUBLE_ENGRAM_DIR"]
+    path = os.path.join(folder, "engram-local.json")
+    log(f"Engram-on-disk enabled: threads={os.environ.get('DSV41_ENGRAM_DISK_THREADS', '-')} "
+        f"chunk={os.environ.get('DSV41_ENGRAM_DISK_CHUNK', '-')} dir={folder}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            local = _ranges_shape(json.load(fh), path)
+    except FileNotFoundError:
+        die(5, f"Engram-on-disk: {path} not found (no engram rows staged on this node)")
+    except (OSError, ValueError) as exc:
+        die(5, f"Engram-on-disk: cannot read {path}: {exc}")
+    for layer in sorted(local, key=lambda s: int(s) if s.isdigit() else s):
+        lo, hi = local[layer]
+        log(f"Engram layer {layer}: local rows [{lo}, {hi}) ({hi - lo} rows) for rank {cfg.node_rank}")
+    raw = os.environ.get("DOUBLE_EXPECT_RANGES")
+    if raw:
+        try:
+            expected = _ranges_shape(json.loads(raw), "DOUBLE_EXPECT_RANGES")
+        except ValueError as exc:
+            die(5, f"DOUBLE_EXPECT_RANGES is not valid: {exc}")
+        if expected != local:
+            die(5, f"engram rows staged for another rank: rank {cfg.node_rank} expects {json.dumps(expected)} "
+                   f"but {path} holds {json.dumps(local)}")
+        log("Engram row ranges match the expected ranges for this rank")
+
+
+_ple_maps: list = []  # keep the mmap alive for the life of the process
+
+
+def check_ple(cfg: Config) -> None:
+    if cfg.engine != "sglang":
+        return
+    backend = cfg.flags.get("ple-offload-backend")
+    if backend is None:
+        return
+    if backend == "pinned":
+        log("PLE table offload: pinned host memory (simulated; nothing read)")
+        return
+    folder = cfg.flags.get("ple-offload-dir")
+    if not folder or folder is True:
+        die(6, "--ple-offload-backend file needs --ple-offload-dir DIR (no folder given)")
+    if not os.path.isdir(folder):
+        die(6, f"PLE offload dir {folder} does not exist")
+    tables = sorted(n for n in os.listdir(folder) if n.startswith("ple_table_") and n.endswith(".bin"))
+    if len(tables) != 1:
+        found = ", ".join(tables) if tables else "none"
+        die(6, f"PLE offload dir {folder} must hold exactly one ple_table_*.bin, found {len(tables)} ({found})")
+    path = os.path.join(folder, tables[0])
+    size = os.path.getsize(path)
+    if size == 0:
+        die(6, f"PLE table {path} is empty")
+    m = re.search(r"_(\d+)B\.bin$", tables[0])
+    if m and int(m.group(1)) != size:
+        die(6, f"PLE table {path} is {size} bytes but its name says {m.group(1)} bytes (truncated copy?)")
+    try:
+        with open(path, "rb") as fh:
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        die(6, f"cannot memory-map PLE table {path}: {exc}")
+    _ple_maps.append(mm)
+    log(f"PLE table memory-mapped read-only: {path} ({size} bytes, {size / 2**30:.3f} GiB)")
+
+
+# ------------------------------------------------------------------------------------- rendezvous
+
+def _send(sock: socket.socket, lock: threading.Lock, msg: dict) -> bool:
+    data = (json.dumps(msg) + "\n").encode()
+    try:
+        with lock:
+            sock.sendall(data)
+        return True
+    except OSError:
+        return False
+
+
+class _Peer:
+    def __init__(self, rank: int, sock: socket.socket, addr):
+        self.rank, self.sock, self.addr = rank, sock, addr
+        self.lock = threading.Lock()
+        self.fail = ""
+
+
+class HeadRendezvous:
+    """Head side of the simulated mp-backend rendezvous (TCP on 0.0.0.0:--master-port)."""
+
+    def __init__(self, cfg: Config, knobs: Knobs, state: "ServeState"):
+        self.cfg, self.knobs, self.state = cfg, knobs, state
+        self.cond = threading.Condition()
+        self.peers: dict[int, _Peer] = {}
+        self.loaded: set[int] = set()
+        self.phase = "join"   # join -> load -> ready
+
+    def start(self) -> None:
+        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.lsock.bind(("0.0.0.0", self.cfg.master_port))
+        except OSError as exc:
+            die(1, f"cannot listen on 0.0.0.0:{self.cfg.master_port} for the rendezvous: {exc} "
+                   "(a stale head still running?)")
+        self.lsock.listen(64)
+        log(f"rendezvous: listening on 0.0.0.0:{self.cfg.master_port}, waiting for "
+            f"{self.cfg.nnodes - 1} worker(s) (world size {self.cfg.tp})")
+        threading.Thread(target=self._accept_loop, name="rdv-accept", daemon=True).start()
+        threading.Thread(target=self._ping_loop, name="rdv-ping", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, addr = self.lsock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn, addr), name="rdv-peer", daemon=True).start()
+
+    def _ping_loop(self) -> None:
+        while True:
+            time.sleep(1.0)
+            with self.cond:
+                peers = list(self.peers.values())
+            for p in peers:
+                _send(p.sock, p.lock, {"type": "ping"})
+
+    def _handle(self, conn: socket.socket, addr) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(self.knobs.peer_timeout_s)
+        rfile = conn.makefile("rb")
+        lock = threading.Lock()
+        try:
+            hello = json.loads(rfile.readline() or b"null")
+        except (OSError, ValueError):
+            hello = None
+        if not isinstance(hello, dict) or hello.get("type") != "hello" or not isinstance(hello.get("rank"), int):
+            log(f"rendezvous: dropping connection from {addr[0]}:{addr[1]} (no valid hello)", "WARNING")
+            conn.close()
+            return
+        rank = hello["rank"]
+        reason = None
+        if hello.get("nnodes") != self.cfg.nnodes:
+            reason = f"nnodes mismatch: worker says {hello.get('nnodes')}, head has {self.cfg.nnodes}"
+        elif hello.get("tp") != self.cfg.tp:
+            reason = f"tensor-parallel-size mismatch: worker says {hello.get('tp')}, head has {self.cfg.tp}"
+        elif not 1 <= rank < self.cfg.nnodes:
+            reason = f"node rank {rank} is outside 1..{self.cfg.nnodes - 1}"
+        if hello.get("model") != self.cfg.model:
+            log(f"rendezvous: worker rank {rank} serves model {hello.get('model')!r}, "
+                f"head serves {self.cfg.model!r}", "WARNING")
+        with self.cond:
+            if reason is None and rank in self.peers:
+                reason = f"duplicate node rank {rank}: rank {rank} is already connected from {self.peers[rank].addr[0]}"
+            if reason is not None:
+                log(f"rendezvous: rejecting worker from {addr[0]}: {reason}", "WARNING")
+                _send(conn, lock, {"type": "reject", "reason": reason})
+                conn.close()
+                return
+            if self.phase != "join":
+                # Like the real engine: a late worker joins a finished rendezvous and hangs.
+                log(f"rendezvous: worker rank {rank} from {addr[0]} arrived after the rendezvous completed; "
+                    "it will hang (relaunch every node together)", "WARNING")
+                late = True
+            else:
+                late = False
+                peer = _Peer(rank, conn, addr)
+                peer.lock = lock
+                peer.fail = str(hello.get("fail") or "")
+                self.peers[rank] = peer
+                log(f"rendezvous: worker rank {rank} joined from {addr[0]}:{addr[1]} "
+                    f"({len(self.peers)}/{self.cfg.nnodes - 1} workers)")
+                _send(conn, lock, {"type": "welcome", "world": self.cfg.nnodes})
+                self.cond.notify_all()
+        if late:
+            try:
+                conn.settimeout(None)
+                while rfile.readline():
+                    pass
+            except OSError:
+                pass
+            conn.close()
+            return
+        # Read loop: pings and "loaded"; EOF or silence = the worker is gone.
+        why = "closed the connection"
+        try:
+            while True:
+                line = rfile.readline()
+                if not line:
+                    break
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if msg.get("type") == "loaded":
+                    with self.cond:
+                        self.loaded.add(rank)
+                        self.cond.notify_all()
+                    log(f"rendezvous: worker rank {rank} finished loading")
+        except socket.timeout:
+            why = f"sent nothing for {self.knobs.peer_timeout_s:g} s"
+        except OSError as exc:
+            why = f"connection error: {exc}"
+        conn.close()
+        with self.cond:
+            if self.peers.get(rank) is peer:
+                del self.peers[rank]
+            self.loaded.discard(rank)
+            phase = self.phase
+            self.cond.notify_all()
+        if phase == "join":
+            log(f"rendezvous: worker rank {rank} left before the rendezvous completed ({why})", "WARNING")
+        elif phase == "load":
+            die(1, f"worker rank {rank} disconnected during startup ({why}); aborting")
+        else:
+            self.state.mark_dead(f"worker rank {rank} {why}")
+
+    def wait_joined(self) -> None:
+        want = self.cfg.nnodes - 1
+        deadline = time.monotonic() + self.knobs.join_timeout_s
+        next_note = time.monotonic() + 5.0
+        with self.cond:
+            while len(self.peers) < want:
+                now = time.monotonic()
+                if now >= deadline:
+                    missing = [r for r in range(1, self.cfg.nnodes) if r not in self.peers]
+                    die(1, f"rendezvous timed out after {self.knobs.join_timeout_s:g} s: joined ranks "
+                           f"{sorted(self.peers)}, missing ranks {missing}")
+                if now >= next_note:
+                    log(f"rendezvous: {len(self.peers)}/{want} workers joined, waiting...")
+                    next_note = now + 5.0
+                self.cond.wait(min(deadline, next_note) - now)
+            self.phase = "load"
+        log(f"rendezvous complete: all {self.cfg.nnodes} nodes joined")
+
+    def wait_loaded(self) -> None:
+        with self.cond:
+            while len(self.loaded) < self.cfg.nnodes - 1:
+                self.cond.wait(5.0)
+                if len(self.loaded) < self.cfg.nnodes - 1:
+                    waiting = [r for r in range(1, self.cfg.nnodes) if r not in self.loaded]
+                    log(f"waiting for ranks {waiting} to finish loading")
+            self.phase = "ready"
+            peers = list(self.peers.values())
+            slow = [p.rank for p in peers if p.fail == "slow"]
+            errmid = [p.rank for p in peers if p.fail == "error-mid"]
+        if slow:
+            self.state.slow = True
+            log(f"ranks {slow} are slow (DOUBLE_FAIL=slow): every request is slow")
+        if errmid:
+            self.state.error_mid = True
+        log(f"all {self.cfg.nnodes} ranks loaded")
+
+    def broadcast_ready(self) -> None:
+        with self.cond:
+            peers = list(self.peers.values())
+        for p in peers:
+            _send(p.sock, p.lock, {"type": "ready"})
+
+
+class WorkerLink:
+    """Worker side: connect to master-addr:master-port, say hello, stay connected."""
+
+    def __init__(self, cfg: Config, knobs: Knobs):
+        self.cfg, self.knobs = cfg, knobs
+        self.lock = threading.Lock()
+        self.ready = threading.Event()
+
+    def join(self) -> None:
+        target = (self.cfg.master_addr, self.cfg.master_port)
+        deadline = time.monotonic() + self.knobs.join_timeout_s
+        next_note = time.monotonic()
+        attempts = 0
+        last_err = "no attempt"
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                die(1, f"could not join the head at {target[0]}:{target[1]} within "
+                       f"{self.knobs.join_timeout_s:g} s ({attempts} attempts, last error: {last_err})")
+            if now >= next_note:
+                log(f"connecting to head {target[0]}:{target[1]} as node rank {self.cfg.node_rank}...")
+                next_note = now + 5.0
+            attempts += 1
+            try:
+                sock = socket.create_connection(target, timeout=max(0.1, min(2.0, deadline - now)))
+            except OSError as exc:
+                last_err = str(exc)
+                time.sleep(max(0.0, min(0.25, deadline - time.monotonic())))
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = {"type": "hello", "rank": self.cfg.node_rank, "nnodes": self.cfg.nnodes,
+                     "tp": self.cfg.tp, "model": self.cfg.model, "fail": self.knobs.fail}
+            rfile = sock.makefile("rb")
+            try:
+                if not _send(sock, self.lock, hello):
+                    raise OSError("send failed")
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                line = rfile.readline()
+            except socket.timeout:
+                die(1, f"connected to the head at {target[0]}:{target[1]} but the rendezvous never completed "
+                       f"within {self.knobs.join_timeout_s:g} s (stale head from an earlier launch?)")
+            except OSError as exc:
+                last_err = str(exc)
+                sock.close()
+                time.sleep(0.25)
+                continue
+            try:
+                reply = json.loads(line) if line else None
+            except ValueError:
+                reply = None
+            if not isinstance(reply, dict):
+                last_err = "head closed the connection without answering"
+                sock.close()
+                time.sleep(0.25)
+                continue
+            if reply.get("type") == "reject":
+                die(1, f"the head at {target[0]}:{target[1]} rejected node rank {self.cfg.node_rank}: "
+                       f"{reply.get('reason')}")
+            if reply.get("type") != "welcome":
+                last_err = f"unexpected reply {reply!r}"
+                sock.close()
+                continue
+            break
+        self.sock, self.rfile = sock, rfile
+        sock.settimeout(self.knobs.peer_timeout_s)
+        log(f"joined the head at {target[0]}:{target[1]} as node rank {self.cfg.node_rank} "
+            f"of {self.cfg.nnodes}")
+        threading.Thread(target=self._read_loop, name="worker-read", daemon=True).start()
+        threading.Thread(target=self._ping_loop, name="worker-ping", daemon=True).start()
+
+    def _ping_loop(self) -> None:
+        while _send(self.sock, self.lock, {"type": "ping"}):
+            time.sleep(1.0)
+
+    def _read_loop(self) -> None:
+        why = "the head closed the connection"
+        try:
+            while True:
+                line = self.rfile.readline()
+                if not line:
+                    break
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if msg.get("type") == "ready":
+                    log("head reports the engine is ready")
+                    self.ready.set()
+        except socket.timeout:
+            why = f"the head sent nothing for {self.knobs.peer_timeout_s:g} s"
+        except OSError as exc:
+            why = f"connection error: {exc}"
+        die(1, f"lost connection to the head at {self.cfg.master_addr}:{self.cfg.master_port} ({why}); "
+               f"node rank {self.cfg.node_rank} exiting")
+
+    def send_loaded(self) -> None:
+        _send(self.sock, self.lock, {"type": "loaded", "rank": self.cfg.node_rank})
+
+
+# ------------------------------------------------------------------------------------------ serving
+
+FILLER = ("This is a deterministic reply from the engine double , standing in for the real model "
+          "so that tests can check streaming , timing and token accounting .").split()
+
+
+def plan_tokens(prompt: str, max_tokens: int | None, ignore_eos: bool, default_len: int) -> tuple[list[str], str]:
+    """Deterministic answer as a list of words (one word = one token) and the finish reason.
+
+    "Count from A to B" prompts get "A, A+1, ..., B" and stop there (finish "stop") unless max_tokens cuts them
+    short or ignore_eos pads them to max_tokens. Other prompts get filler text: exactly max_tokens words
+    (finish "length"), or default_len words (finish "stop") when max_tokens is not given.
+    """
+    m = re.search(r"count\s+from\s+(-?\d+)\s+to\s+(-?\d+)", prompt, re.IGNORECASE)
+    if m is None:
+        if max_tokens:
+            return [FILLER[i % len(FILLER)] for i in range(max_tokens)], "length"
+        return [FILLER[i % len(FILLER)] for i in range(default_len)], "stop"
+    a, b = int(m.group(1)), int(m.group(2))
+    step = 1 if b >= a else -1
+    nums = list(range(a, b + step, step))[:100000]
+    words = [f"{n}," for n in nums[:-1]] + [str(nums[-1])]
+    if max_tokens and len(words) > max_tokens:
+        return words[:max_tokens], "length"
+    if ignore_eos and max_tokens and len(words) < max_tokens:
+        return words + [FILLER[i % len(FILLER)] for i in range(max_tokens - len(words))], "length"
+    return words, "stop"
+
+
+def _text_of(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+class ServeState:
+    def __init__(self, cfg: Config, knobs: Knobs):
+        self.cfg, self.knobs = cfg, knobs
+        self.lock = threading.Lock()
+        self.dead_reason = ""
+        self.slow = knobs.fail == "slow"
+        self.error_mid = knobs.fail == "error-mid"
+        self.sem = threading.BoundedSemaphore(knobs.max_concurrency) if knobs.max_concurrency > 0 else None
+        self.created = int(time.time())
+        self.running = 0
+        self.waiting = 0
+        self.successes = 0
+        self.failures = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft_sum = 0.0
+        self.e2e_sum = 0.0
+
+    def mark_dead(self, why: str) -> None:
+        with self.lock:
+            if self.dead_reason:
+                return
+            self.dead_reason = why
+        log(f"EngineDeadError: {why}; the engine is dead, /health now answers 503", "ERROR")
+
+    @property
+    def ttft_s(self) -> float:
+        return self.knobs.ttft_s * (20 if self.slow else 1)
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "engine-double/" + DOUBLE_VERSION
+    state: ServeState  # set on the subclass
+
+    def log_request(self, code="-", size="-"):
+        code = int(code) if isinstance(code, int) else code
+        log(f'{self.client_address[0]}:{self.client_address[1]} - "{self.requestline}" {code}')
+
+    def log_message(self, fmt, *args):
+        log(f"{self.client_address[0]}:{self.client_address[1]} - {fmt % args}", "WARNING")
+
+    # -- helpers
+    def _json(self, code: int, obj) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _plain(self, code: int, text: str, ctype: str = "text/plain; charset=utf-8") -> None:
+        body = text.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, code: int, message: str, etype: str) -> None:
+        self._json(code, {"object": "error", "message": message, "type": etype, "param": None, "code": code,
+                          "error": {"message": message, "type": etype, "code": code}})
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def _sse(self, obj) -> None:
+        self._chunk(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
+
+    # -- routes
+    def do_GET(self):
+        st = self.state
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            if st.dead_reason:
+                self._plain(503, "")
+            else:
+                self._plain(200, "")
+        elif path == "/v1/models":
+            owner = st.cfg.engine
+            self._json(200, {"object": "list", "data": [
+                {"id": name, "object": "model", "created": st.created, "owned_by": owner, "root": st.cfg.model,
+                 "parent": None, "max_model_len": st.cfg.max_model_len} for name in st.cfg.served_names]})
+        elif path == "/metrics":
+            self._plain(200, self._metrics(), "text/plain; version=0.0.4; charset=utf-8")
+        elif path == "/version":
+            self._json(200, {"version": f"{DOUBLE_VERSION}-engine-double"})
+        elif path == "/health_generate" and st.cfg.engine == "sglang":
+            if st.dead_reason:
+                self._plain(503, "")
+                return
+            sleep_until(time.monotonic() + st.ttft_s)
+            self._plain(200, "")
+        elif path in ("/get_model_info", "/model_info") and st.cfg.engine == "sglang":
+            self._json(200, {"model_path": st.cfg.model, "tokenizer_path": st.cfg.model, "is_generation": True,
+                             "served_model_name": st.cfg.served_names[0],
+                             "preferred_sampling_params": None, "weight_version": "default"})
+        elif path in ("/get_server_info", "/server_info") and st.cfg.engine == "sglang":
+            self._json(200, {"model_path": st.cfg.model, "tp_size": st.cfg.tp, "port": st.cfg.port,
+                             "context_length": st.cfg.max_model_len, "version": DOUBLE_VERSION,
+                             "args": {k: v for k, v in st.cfg.flags.items() if k not in ARGV_SECRET_FLAGS}})
+        else:
+            self._error(404, f"Not Found: {path}", "NotFoundError")
+
+    def do_POST(self):
+        path = self.path.split("?", 1)[0]
+        if path == "/v1/chat/completions":
+            self._generate(chat=True)
+        elif path == "/v1/completions":
+            self._generate(chat=False)
+        else:
+            self._read_body()
+            self._error(404, f"Not Found: {path}", "NotFoundError")
+
+    def _read_body(self) -> bytes:
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n > 0 else b""
+
+    def _metrics(self) -> str:
+        st = self.state
+        name = st.cfg.served_names[0]
+        lbl = f'{{model_name="{name}"}}'
+        with st.lock:
+            if st.cfg.engine == "vllm":
+                rows = [
+                    ("vllm:num_requests_running", "gauge", st.running),
+                    ("vllm:num_requests_waiting", "gauge", st.waiting),
+                    ("vllm:prompt_tokens_total", "counter", st.prompt_tokens),
+                    ("vllm:generation_tokens_total", "counter", st.generation_tokens),
+                    ("vllm:request_success_total", "counter", st.successes),
+                    ("vllm:time_to_first_token_seconds_sum", "", round(st.ttft_sum, 6)),
+                    ("vllm:time_to_first_token_seconds_count", "", st.successes),
+                    ("vllm:e2e_request_latency_seconds_sum", "", round(st.e2e_sum, 6)),
+                    ("vllm:e2e_request_latency_seconds_count", "", st.successes),
+                ]
+            else:
+                rows = [
+                    ("sglang:num_running_reqs", "gauge", st.running),
+                    ("sglang:num_queue_reqs", "gauge", st.waiting),
+                    ("sglang:prompt_tokens_total", "counter", st.prompt_tokens),
+                    ("sglang:generation_tokens_total", "counter", st.generation_tokens),
+                    ("sglang:num_requests_total", "counter", st.successes + st.failures),
+                ]
+            rows.append(("engine_double_request_failures_total", "counter", st.failures))
+            rows.append(("engine_double_engine_dead", "gauge", 1 if st.dead_reason else 0))
+        out = []
+        for metric, mtype, value in rows:
+            if mtype:
+                out.append(f"# TYPE {metric} {mtype}")
+            out.append(f"{metric}{lbl} {value}")
+        return "\n".join(out) + "\n"
+
+    def _generate(self, chat: bool) -> None:
+        st = self.state
+        t_arrival = time.monotonic()
+        raw = self._read_body()
+        try:
+            req = json.loads(raw or b"null")
+        except ValueError:
+            self._error(400, "request body is not valid JSON", "BadRequestError")
+            return
+        if not isinstance(req, dict):
+            self._error(400, "request body must be a JSON object", "BadRequestError")
+            return
+        model = req.get("model")
+        if model is not None and model not in st.cfg.served_names:
+            self._error(404, f"The model `{model}` does not exist.", "NotFoundError")
+            return
+        if chat:
+            messages = req.get("messages")
+            if not isinstance(messages, list) or not messages:
+                self._error(400, "messages must be a non-empty list", "BadRequestError")
+                return
+            prompt = " ".join(_text_of(m.get("content")) for m in messages if isinstance(m, dict))
+        else:
+            p = req.get("prompt")
+            if isinstance(p, list):
+                p = " ".join(x for x in p if isinstance(x, str))
+            if not isinstance(p, str):
+                self._error(400, "prompt must be a string", "BadRequestError")
+                return
+            prompt = p
+        max_tokens = req.get("max_completion_tokens", req.get("max_tokens"))
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
+            self._error(400, f"max_tokens must be at least 1, got {max_tokens!r}", "BadRequestError")
+            return
+        if st.dead_reason:
+            self._error(500, f"EngineDeadError: {st.dead_reason}", "InternalServerError")
+            return
+        if st.error_mid:
+            with st.lock:
+                broken = st.successes >= st.knobs.error_after
+                if broken:
+                    st.failures += 1
+            if broken:
+                log(f"simulated engine error after {st.knobs.error_after} requests (DOUBLE_FAIL=error-mid)", "ERROR")
+                self._error(500, "simulated engine error (DOUBLE_FAIL=error-mid)", "InternalServerError")
+                return
+        words, finish = plan_tokens(prompt, max_tokens, bool(req.get("ignore_eos")), 32 if chat else 16)
+        prompt_tokens = len(prompt.split())
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(words),
+                 "total_tokens": prompt_tokens + len(words)}
+        stream = bool(req.get("stream"))
+        include_usage = bool((req.get("stream_options") or {}).get("include_usage")) if stream else False
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        name = model or st.cfg.served_names[0]
+
+        with st.lock:
+            st.waiting += 1
+        if st.sem is not None:
+            st.sem.acquire()
+        with st.lock:
+            st.waiting -= 1
+            st.running += 1
+        ok = False
+        try:
+            t0 = time.monotonic()
+            ttft, gap = st.ttft_s, 1.0 / st.knobs.tokens_per_s
+            deadlines = [t0 + ttft + i * gap for i in range(len(words))]
+            if stream:
+                ok = self._stream(chat, rid, created, name, words, deadlines, finish, usage, include_usage)
+            else:
+                sleep_until(deadlines[-1])
+                text = " ".join(words)
+                if chat:
+                    choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": [],
+                                                      "reasoning_content": None},
+                              "logprobs": None, "finish_reason": finish, "stop_reason": None}
+                    obj = {"id": rid, "object": "chat.completion", "created": created, "model": name,
+                           "choices": [choice], "usage": usage}
+                else:
+                    obj = {"id": rid, "object": "text_completion", "created": created, "model": name,
+                           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                                        "stop_reason": None}], "usage": usage}
+                self._json(200, obj)
+                ok = True
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        finally:
+            if st.sem is not None:
+                st.sem.release()
+            with st.lock:
+                st.running -= 1
+                if ok:
+                    st.successes += 1
+                    st.prompt_tokens += prompt_tokens
+                    st.generation_tokens += len(words)
+                    st.ttft_sum += deadlines[0] - t_arrival
+                    st.e2e_sum += time.monotonic() - t_arrival
+                else:
+                    st.failures += 1
+
+    def _stream(self, chat, rid, created, name, words, deadlines, finish, usage, include_usage) -> bool:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        obj_type = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices, **extra):
+            return {"id": rid, "object": obj_type, "created": created, "model": name, "choices": choices, **extra}
+
+        for i, (word, deadline) in enumerate(zip(words, deadlines)):
+            sleep_until(deadline)
+            if self.state.dead_reason:
+                err = {"error": {"message": f"EngineDeadError: {self.state.dead_reason}",
+                                 "type": "InternalServerError", "code": 500}}
+                self._sse(err)
+                self._sse(b"[DONE]")
+                self._chunk(b"")
+                return False
+            piece = word if i == 0 else " " + word
+            if chat:
+                if i == 0:
+                    self._sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]))
+                self._sse(chunk([{"index": 0, "delta": {"content": piece}, "logprobs": None,
+                                  "finish_reason": None}]))
+            else:
+                self._sse(chunk([{"index": 0, "text": piece, "logprobs": None, "finish_reason": None,
+                                  "stop_reason": None}]))
+        if chat:
+            self._sse(chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish,
+                              "stop_reason": None}]))
+        else:
+            self._sse(chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": finish,
+                              "stop_reason": None}]))
+        if include_usage:
+            self._sse(chunk([], usage=usage))
+        self._sse(b"[DONE]")
+        self._chunk(b"")
+        return True
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 512
+
+
+def bind_api(cfg: Config, state: ServeState) -> _Server:
+    handler = type("BoundHandler", (Handler,), {"state": state})
+    cls = _Server
+    if ":" in cfg.host:
+        cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+    try:
+        return cls((cfg.host, cfg.port), handler)
+    except OSError as exc:
+        die(1, f"cannot bind the API server to {cfg.host}:{cfg.port}: {exc}")
+        raise  # unreachable
+
+
+# --------------------------------------------------------------------------------------------- main
+
+def simulate_loading(knobs: Knobs, never_ready: bool) -> None:
+    t0 = time.monotonic()
+    steps = 10
+    shards = 48
+    for k in range(steps + 1):
+        pct = k * 100 // steps
+        if never_ready and pct > 90:
+            log("Loading weights: stuck at 90% (DOUBLE_FAIL=never-ready); the API port will never be bound",
+                "WARNING")
+            while True:
+                time.sleep(3600)
+        sleep_until(t0 + knobs.load_s * k / steps)
+        log(f"Loading weights: {pct}% ({shards * k // steps}/{shards} shards)")
+    log(f"Model loading took {time.monotonic() - t0:.2f} s")
+    log("Capturing CUDA graphs (simulated): done")
+
+
+def _write_record(cfg: Config, started: float) -> None:
+    folder = os.environ.get("DOUBLE_RECORD_DIR")
+    if not folder:
+        return
+    rec = {"argv": cfg.masked_argv(), "env": masked_env(dict(os.environ)), "engine": cfg.engine,
+           "node_rank": cfg.node_rank, "started": started, "model": cfg.model,
+           "served_model_names": cfg.served_names,
+           "flags": {k: ("***" if k in ARGV_SECRET_FLAGS else v) for k, v in cfg.flags.items()},
+           "pid": os.getpid(), "hostname": socket.gethostname()}
+    try:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"argv-{cfg.engine}-rank{cfg.node_rank}.json")
+        tmp = path + f".tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(rec, fh, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log(f"cannot write the argv record to {folder}: {exc}", "WARNING")
+
+
+def _on_signal(signum, _frame):
+    log(f"received signal {signum}, shutting down")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run(cfg: Config) -> int:
+    global _log_prefix
+    _log_prefix = f"[double {cfg.engine} rank{cfg.node_rank}]"
+    started = time.time()
+    try:
+        knobs = Knobs(cfg.node_rank)
+    except UsageError as exc:
+        log(str(exc), "ERROR")
+        return 2
+    _write_record(cfg, started)
+    role = ("head" if cfg.node_rank == 0 else "worker") if cfg.nnodes > 1 else "single"
+    print(f"{_log_prefix} engine={cfg.engine} model={cfg.model} served={','.join(cfg.served_names)} "
+          f"role={role} node_rank={cfg.node_rank}/{cfg.nnodes} tp={cfg.tp} "
+          f"api={'%s:%d' % (cfg.host, cfg.port) if cfg.serves_api else 'none (headless)'} "
+          f"flags={len(cfg.order)} fail={knobs.fail or '-'}", flush=True)
+    if cfg.extra_positionals:
+        log(f"ignoring extra positional arguments {cfg.extra_positionals}", "WARNING")
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+
+    if knobs.fail == "crash-at-start":
+        log("simulated crash at start (DOUBLE_FAIL=crash-at-start): RuntimeError: CUDA error: "
+            "no kernel image is available for execution on the device", "ERROR")
+        return 3
+
+    state = ServeState(cfg, knobs)
+    head = worker = None
+    if cfg.nnodes > 1:
+        if cfg.node_rank == 0:
+            head = HeadRendezvous(cfg, knobs, state)
+            head.start()
+            head.wait_joined()
+        else:
+            if not cfg.headless:
+                log("node rank > 0 without --headless: treating it as a headless worker", "WARNING")
+            worker = WorkerLink(cfg, knobs)
+            worker.join()
+
+    check_engram(cfg)
+    check_ple(cfg)
+    simulate_loading(knobs, knobs.fail == "never-ready")
+
+    if worker is not None:
+        worker.send_loaded()
+        log("worker loaded; waiting for the head")
+        worker.ready.wait()
+        if knobs.fail == "crash-later":
+            time.sleep(knobs.crash_after_s)
+            die(4, f"simulated engine crash {knobs.crash_after_s:g} s after ready (DOUBLE_FAIL=crash-later)")
+        while True:
+            time.sleep(3600)
+
+    if head is not None:
+        head.wait_loaded()
+
+    server = None
+    if cfg.serves_api:
+        server = bind_api(cfg, state)
+        # Log before serving: once /health answers 200, the ready lines are already in the log.
+        log(f"Starting {'vLLM' if cfg.engine == 'vllm' else 'SGLang'} API server on http://{cfg.host}:{cfg.port}")
+        log("Application startup complete.")
+        if cfg.engine == "sglang":
+            log("The server is fired up and ready to roll!")
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="api",
+                         daemon=True).start()
+    else:
+        log("engine ready (headless: no API server)")
+    if head is not None:
+        head.broadcast_ready()
+
+    if knobs.fail == "crash-later":
+        time.sleep(knobs.crash_after_s)
+        die(4, f"simulated engine crash {knobs.crash_after_s:g} s after ready (DOUBLE_FAIL=crash-later)")
+    while True:
+        time.sleep(3600)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _line_buffer()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    engine, rest = argv[0], argv[1:]
+    if engine == "sglang" and rest[:2] == ["-m", "sglang.launch_server"]:
+        rest = rest[2:]
+    if engine not in ("vllm", "sglang"):
+        print(USAGE, file=sys.stderr)
+        print(f"engine_double.py: error: unknown engine {engine!r} (vllm or sglang)", file=sys.stderr)
+        return 2
+    if rest and rest[0] in ("-h", "--help", "--version", "-v"):
+        print(USAGE if rest[0].startswith("-h") or rest[0] == "--help" else f"{DOUBLE_VERSION}-engine-double")
+        return 0
+    if engine == "vllm" and rest[:2] and rest[0] == "serve" and rest[1:2] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    try:
+        cfg = Config(engine, rest)
+    except UsageError as exc:
+        prog = "vllm serve" if engine == "vllm" else "launch_server.py"
+        print(USAGE, file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        return run(cfg)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
