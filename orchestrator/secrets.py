@@ -29,10 +29,15 @@ def secret_values(env: dict[str, str] | None = None) -> list[str]:
                   key=len, reverse=True)
 
 
+_ASSIGNMENT = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)=([^\s'\"]+)")
+
+
 def mask_text(text: str, values: list[str] | None = None) -> str:
+    """Known secret values anywhere, and `NAME=value` where NAME looks secret (e.g. `-e HF_TOKEN=...`)."""
     for v in secret_values() if values is None else values:
         text = text.replace(v, MASK)
-    return text
+    return _ASSIGNMENT.sub(lambda m: f"{m.group(1)}={MASK}" if is_secret_name(m.group(1)) else m.group(0),
+                           text)
 
 
 def mask_env(env: dict[str, Any]) -> dict[str, Any]:
@@ -56,3 +61,4 @@ def mask_override(expr: str) -> str:
     """`engine.env.HF_TOKEN=hf_...` -> `engine.env.HF_TOKEN=***`."""
     key, sep, value = expr.partition("=")
     return f"{key}={MASK}" if sep and is_secret_name(key.rsplit(".", 1)[-1]) and value else expr
+
