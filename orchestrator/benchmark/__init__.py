@@ -1,0 +1,1 @@
+"""`deployctl bench`: streaming load generator (loadgen), figures and verdicts (report), rendering, plots."""
