@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="list clusters and their hosts")
     st.add_argument("--name", default=None)
     sub.add_parser("images", help="make the base images in the local engine (cached)")
+    demo = sub.add_parser("demo", help="the local 4-host cluster ready for `deployctl up` "
+                                       "(base image on the head, synthetic checkpoint)")
+    demo.add_argument("--name", default="local")
+    demo.add_argument("--hosts", type=int, default=4)
     a = ap.parse_args(argv)
     try:
         if a.cmd == "up":
@@ -60,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {s['host']:<8} {s['address']:<14} link {s['link']:<7} "
                           f"sshd {s['sshd'] or '-'!s:<8} dockerd {s['dockerd'] or '-'!s:<8} "
                           f"engine {'ok' if s['docker'] else 'down'}")
+        elif a.cmd == "demo":
+            from .demo import prepare
+            prepare(a.name, a.hosts, log=_log)
         elif a.cmd == "images":
             print(ensure_base_images() or "cached")
     except ClusterError as e:

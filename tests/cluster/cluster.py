@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import json
 import os
+import platform
 import re
 import shutil
 import signal
@@ -129,6 +130,36 @@ def bridge_address(name: str) -> str:
     return f"10.213.{subnet_index(name)}.1"
 
 
+# The real recipes scaled down to this machine: the same code paths with small tables, a tiny
+# synthetic checkpoint (tests/synth.py) and the engine double's image (dockerfiles/chains/test-double).
+SCALED_OVERRIDES: dict[str, dict[str, Any]] = {
+    "deepseek-v41-flash-tp4": {
+        "model.repo": "deployctl-demo/DeepSeek-V4.1-Flash-scaled",
+        "model.checkpoint_gb": 0.05,
+        "engram.geometry.vocab_per_order": [2000, 2000, 2000],
+        "engine.image": "dctl-engine:test",
+        "engine.chain": "test-double",
+        "engine.shm_size": "1g",
+        "engine.env.DOUBLE_LOAD_S": "2",
+        "engine.env.DOUBLE_ENGRAM_DIR": "/engram",
+        "health.startup_timeout_s": 180,
+        "health.poll_interval_s": 1,
+    },
+    "qwen38-flash-next-spark": {
+        "model.repo": "deployctl-demo/Qwen3.8-Flash-Next-scaled",
+        "model.checkpoint_gb": 0.2,
+        "ple.geometry.vocab_per_order": [20000, 20000],
+        "ple.shards": 8,
+        "engine.image": "dctl-engine:test",
+        "engine.chain": "test-double",
+        "engine.shm_size": "1g",
+        "engine.env.DOUBLE_LOAD_S": "2",
+        "health.startup_timeout_s": 180,
+        "health.poll_interval_s": 1,
+    },
+}
+
+
 def inventory_data(name: str, hosts: Iterable[TestHost], deployment: str | None = None,
                    recipe: str | None = None) -> dict[str, Any]:
     hosts = tuple(hosts)
@@ -147,7 +178,12 @@ def inventory_data(name: str, hosts: Iterable[TestHost], deployment: str | None 
         "ansible_ssh_private_key_file": str(key),
         "ansible_ssh_common_args": f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes",
         "ansible_python_interpreter": python_for_ansible(),
+        # The test hosts have no GPUs and run this machine's architecture.
+        "expect_gpus": False,
+        "expect_arch": platform.machine(),
     })
+    if recipe in SCALED_OVERRIDES:
+        cvars["recipe_overrides"] = dict(SCALED_OVERRIDES[recipe])
     return {"all": {"vars": cvars, "hosts": {h.name: {
         "ansible_host": h.address,
         "ansible_port": h.ssh_port,
