@@ -26,6 +26,12 @@ HOST_KEYS = {
     "fabric_iface": "override: the fabric netdev for NCCL/GLOO/UCX",
     "fabric_address": "override: this host's address on the fabric",
     "docker_host": "the Docker engine socket on this host (default unix:///var/run/docker.sock)",
+    "expect_gpus": "preflight opt-out: false skips the GPU checks (NVIDIA runtime, nvidia-smi) on hosts "
+                   "without GPUs, e.g. the test cluster (default true)",
+    "expect_arch": "preflight override: the `uname -m` the host must report (default: the hardware "
+                   "kind's, aarch64 for dgx-spark)",
+    "host_ram_gb": "system RAM of a discrete-GPU host in GB: lets `plan` check pinned tables before "
+                   "preflight measures MemAvailable",
 }
 CLUSTER_KEYS = {
     "deployment": "deployment name (container labels, run records)",
@@ -57,6 +63,9 @@ class Host:
     fabric_iface: str | None = None
     fabric_address: str | None = None
     docker_host: str = "unix:///var/run/docker.sock"
+    expect_gpus: bool = True             # false: preflight skips the GPU checks (documented opt-out)
+    expect_arch: str | None = None       # preflight: the `uname -m` expected instead of the kind's
+    host_ram_gb: float | None = None     # declared system RAM (discrete GPUs), checked by sizing
     ansible_vars: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -225,6 +234,17 @@ def _host(name: str, hv: dict, key: str, file: str, lines: dict[str, int]) -> Ho
     port = hv.get("ansible_port", 22)
     if isinstance(port, bool) or not isinstance(port, int):
         raise err(f"ansible_port must be an integer, got {port!r}", "ansible_port")
+    expect_gpus = hv.get("expect_gpus", True)
+    if not isinstance(expect_gpus, bool):
+        raise err(f"expect_gpus must be true or false, got {expect_gpus!r}", "expect_gpus")
+    expect_arch = hv.get("expect_arch")
+    if expect_arch is not None and (not isinstance(expect_arch, str) or not expect_arch.strip()):
+        raise err(f"expect_arch must be a machine name such as x86_64 or aarch64, got {expect_arch!r}",
+                  "expect_arch")
+    host_ram = hv.get("host_ram_gb")
+    if host_ram is not None and (isinstance(host_ram, bool) or not isinstance(host_ram, (int, float))
+                                 or host_ram <= 0):
+        raise err(f"host_ram_gb must be a positive number of GB, got {host_ram!r}", "host_ram_gb")
     return Host(
         name=name, address=str(address), rank=rank, hardware=hardware, gpus=gpus,
         nvme_dir=str(hv["nvme_dir"]), model_cache=str(hv["model_cache"]), port=port,
@@ -232,6 +252,8 @@ def _host(name: str, hv: dict, key: str, file: str, lines: dict[str, int]) -> Ho
         key_file=_expand(hv.get("ansible_ssh_private_key_file")),
         fabric_iface=hv.get("fabric_iface"), fabric_address=hv.get("fabric_address"),
         docker_host=str(hv.get("docker_host", "unix:///var/run/docker.sock")),
+        expect_gpus=expect_gpus, expect_arch=expect_arch,
+        host_ram_gb=float(host_ram) if host_ram is not None else None,
         ansible_vars={k: v for k, v in hv.items() if k.startswith("ansible_")},
     )
 

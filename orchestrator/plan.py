@@ -80,9 +80,20 @@ class Plan:
         return mask_data(doc)
 
 
-def build_plan(dep: Deployment, only: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> Plan:
+# Stages that need the model to fit in memory: a plan with one of them refuses a recipe that cannot.
+NEEDS_FIT = ("preflight", "launch")
+
+
+def build_plan(dep: Deployment, only: tuple[str, ...] = (), skip: tuple[str, ...] = (),
+               require_fit: bool = True) -> Plan:
+    """The plan; with `require_fit` (what `up` and the stage commands use) a plan that includes
+    preflight or launch raises InputError (exit 2) naming each node that cannot hold its budget,
+    the shortfall and the fix. `deployctl plan` passes False: it prints the budget, then exits 2."""
     from .stages import STAGES, select
     names = select(only, skip)
+    if require_fit and any(n in names for n in NEEDS_FIT):
+        from .sizing import require_fit as check
+        check(dep)
     stages = []
     for st in STAGES:
         if st.name not in names:

@@ -131,13 +131,30 @@ class BenchSpec:
 
 @dataclass(frozen=True)
 class SizingSpec:
-    """Memory budget inputs (deployment-facts.md, "Sizing rules")."""
-    os_reserve_gb: float = 8.0           # OS, CUDA context, runtime overhead per node
-    activations_gb: float = 4.0
-    buffers_gb: float = 2.0              # staging / offload buffers
+    """Memory budget inputs (deployment-facts.md, "Sizing rules"; docs/sizing.md)."""
+    os_reserve_gb: float = 8.0           # OS and system services (unified: in the shared pool; else host RAM)
+    activations_gb: float = 4.0          # activations, CUDA graphs, CUDA context, NCCL (inside vLLM's
+                                         # gpu-memory-utilization; beside SGLang's mem-fraction-static)
+    buffers_gb: float = 2.0              # staging / offload buffers, when a table is offloaded
     recurrent_state_gb: float = 0.0      # Gated DeltaNet state pools
     min_kv_gb: float = 4.0               # below this the engine cannot serve the context
-    concurrency: int = 8
+    concurrency: int = 8                 # full-context requests the KV cache must hold
+    reference: dict[str, str] = field(default_factory=dict)   # budget line key -> the report's figure
+
+    REFERENCE_KEYS = ("weights", "engram", "ple", "activations", "buffers", "recurrent", "kv", "os",
+                      "page_cache", "host_ram", "nvme")
+
+    def validate(self, path: str, file: str) -> None:
+        for f in ("os_reserve_gb", "activations_gb", "buffers_gb", "recurrent_state_gb", "min_kv_gb"):
+            v = getattr(self, f)
+            if v < 0 or v != v or v == float("inf"):
+                raise InputError(f"must be a number of GB >= 0, got {v!r}", file=file, key=f"{path}.{f}")
+        if self.concurrency < 1:
+            raise InputError(f"must be >= 1, got {self.concurrency}", file=file, key=f"{path}.concurrency")
+        for k in self.reference:
+            if k not in self.REFERENCE_KEYS:
+                raise InputError(f"unknown budget line {k!r} (known: {', '.join(self.REFERENCE_KEYS)})",
+                                 file=file, key=f"{path}.reference.{k}")
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,17 @@
-"""deployctl plan: what `up` would do, per stage and host. Contacts no host."""
+"""deployctl plan: what `up` would do, per stage and host, and the memory budget per node.
+
+Contacts no host, unless --check: then the preflight checks run on every host (read-only).
+"""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import click
 
 from ..deployment import load_deployment
 from ..plan import build_plan
-from .common import deployment_options, emit_json, handle_errors
+from .common import STDERR, deployment_options, emit_json, handle_errors
 from .render import print_plan
 
 
@@ -13,18 +19,58 @@ from .render import print_plan
 @deployment_options
 @click.option("--only", multiple=True, metavar="STAGE", help="Plan only these stages.")
 @click.option("--skip", multiple=True, metavar="STAGE", help="Leave these stages out.")
+@click.option("--check", is_flag=True,
+              help="Also run the preflight checks on the hosts (SSH, read-only; writes a run record). "
+                   "Exit 1 if any fails.")
 @handle_errors
-def plan_command(inventory, recipe, sets, as_json, verbose, quiet, only, skip):
-    """Show the ordered stages with one action per host and the exact command each runs.
+def plan_command(inventory, recipe, sets, as_json, verbose, quiet, only, skip, check):
+    """Show the ordered stages with one action per host and the exact command each runs, and the
+    memory budget per node with its verdict.
 
-    Pure: reads the inventory and recipe, contacts no host.
+    Pure: reads the inventory and recipe, contacts no host (unless --check).
+    Exit 2 when the recipe cannot fit (the message names the node, the shortfall and the fix).
     """
     dep = load_deployment(inventory, recipe, tuple(sets))
-    plan = build_plan(dep, tuple(only), tuple(skip))
-    if as_json:
-        emit_json(plan.to_json())
-    else:
+    plan = build_plan(dep, tuple(only), tuple(skip), require_fit=False)
+    sizing = plan.extra["sizing"]
+    outcome = None
+    if not as_json:
         print_plan(plan, verbose=verbose)
+    if check and sizing["fits"]:
+        outcome = _preflight(dep, as_json, verbose, quiet)
+    if as_json:
+        doc = plan.to_json()
+        if outcome is not None:
+            doc["preflight"] = outcome.to_json()
+        emit_json(doc)
+    if not sizing["fits"]:
+        from ..sizing import refusal
+        STDERR.print(f"error: recipe {dep.recipe.name} does not fit:\n{refusal(sizing['problems'])}",
+                     markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    if outcome is not None:
+        from ..runner import describe_failure
+        for r in outcome.failures:
+            STDERR.print(describe_failure(r), markup=False, highlight=False, soft_wrap=True)
+        if outcome.error:
+            STDERR.print(f"error: {outcome.error}", markup=False, highlight=False, soft_wrap=True)
+        if not quiet and not as_json:
+            STDERR.print(f"preflight: {outcome.status} (run record {outcome.run_dir})", markup=False,
+                         highlight=False)
+        sys.exit(outcome.exit_code)
+
+
+def _preflight(dep, as_json: bool, verbose: int, quiet: bool):
+    """Run the preflight stage alone, with a run record (runs/<id>/: logs per host)."""
+    from ..runner import run
+    from ..runrecord import RunContext, new_run_dir
+    root = Path(dep.cluster.run_dir)
+    ctx = RunContext(new_run_dir(root if root.is_absolute() else Path.cwd() / root, dep.name, "plan-check"),
+                     verbose=verbose, quiet=quiet, console=None if as_json else STDERR)
+    try:
+        return run(build_plan(dep, only=("preflight",)), ctx, "plan --check")
+    finally:
+        ctx.close()
 
 
 def register(cli: click.Group) -> None:
