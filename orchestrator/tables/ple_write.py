@@ -1,0 +1,579 @@
+"""ple-write: Qwen's n-gram ("PLE") table as the one memory-mapped file SGLang expects.
+
+    python3 deployctl-tables-*.pyz ple-write --spec spec.json --checkpoint DIR --dest DIR
+                                             [--verify] [--host NAME] [--no-preallocate]
+
+Runs on the host (standard library only). The shard tensors
+(`shard_tensor` with {layer}, {shard} = 0..shards-1) are concatenated in shard order into one
+row-major file named by `file_pattern` ({rows}, {width}, {dtype}, {bytes} = whole file size),
+then a manifest `deployctl-ple-manifest.json` is written last:
+
+    {"format": "deployctl-ple-manifest/1", "file": NAME, "rows", "row_bytes", "width", "dtype",
+     "bytes", "checksum": {"scheme": "sha256", "chunk_bytes", "chunks": [hex, ...]},
+     "source": {"checkpoint", "files": [Checkpoint.identity ...], "tensors": [...]},
+     "table_key": digest of (geometry, tensor names, file name, source identity),
+     "stat": {"ino", "mtime_ns", "size"}, "recipe": {"name", "digest"}, "spec": {...}, "written": {...}}
+
+Restart: when the manifest's table_key equals the current one and the file's size, inode and
+mtime are the ones recorded, the file is kept without reading it (a no-op with the reason);
+`--verify` re-hashes it against the manifest (and rewrites it on a mismatch). Otherwise a new
+temp file is written and renamed over the old one (never read-modify-write), other
+`ple_table_*.bin` files of another geometry are removed afterwards, and the manifest comes last.
+
+Placement `pinned` writes no file: the op checks the host's MemAvailable against
+`min_host_ram_gb` instead (`pinned_ram_verdict`, also used by preflight).
+
+The spec (written by `deployctl`, see orchestrator/stages/write_ple.py `spec_for`):
+
+    {"format": "deployctl-ple-spec/1", "placement": "nvme" | "pinned" | ...,
+     "geometry": {"layers": [2], "orders": [2, 3], "heads_per_order": 8,
+                  "vocab_per_order": [20000000, 20000000], "row_values": 160, "dtype": "F8_E4M3"},
+     "shard_tensor": "model.language_model.layers.{layer}....shard_{shard}.weight", "shards": 128,
+     "file_pattern": "ple_table_{rows}x{width}_{dtype}_{bytes}B.bin", "min_host_ram_gb": 64.0,
+     "recipe": {"name": ..., "digest": ...}}
+
+Prints one JSON object as its last stdout line. Exit 0 written / kept / pinned ok, 1 failed
+(I/O, no space, read-back mismatch, not enough RAM), 2 bad input (missing shard, wrong width,
+row total different from the geometry's).
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import glob
+import hashlib
+import json
+import mmap
+import os
+import random
+import re
+import string
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import DeployctlError, InputError
+from ..fsutil import atomic_write_text, fsync_dir
+from . import bulkcopy
+from .geometry import TableGeometry, total_rows
+from .safetensors import DTYPE_BYTES, Checkpoint
+
+SPEC_FORMAT = "deployctl-ple-spec/1"
+MANIFEST_FORMAT = "deployctl-ple-manifest/1"
+MANIFEST_NAME = "deployctl-ple-manifest.json"
+PATTERN_FIELDS = ("rows", "width", "dtype", "bytes")
+RANDOM_SAMPLES = 64
+
+
+class WriteFailed(DeployctlError):
+    """The table could not be written (I/O, space, read-back mismatch, RAM): exit 1."""
+    exit_code = 1
+
+
+# -- spec ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PleTableSpec:
+    placement: str
+    geometry: TableGeometry
+    shard_tensor: str
+    shards: int
+    file_pattern: str
+    min_host_ram_gb: float = 64.0
+    recipe: dict = field(default_factory=dict)
+    source: str = "spec"                   # where it came from, for messages
+
+    @property
+    def layer(self) -> int:
+        return self.geometry.layers[0]
+
+    @property
+    def width(self) -> int:
+        return self.geometry.row_values
+
+    @property
+    def row_bytes(self) -> int:
+        return self.geometry.row_values * DTYPE_BYTES[self.geometry.dtype]
+
+    def shard_name(self, i: int) -> str:
+        return self.shard_tensor.format(layer=self.layer, shard=i)
+
+    def file_name(self, rows: int) -> str:
+        return self.file_pattern.format(rows=rows, width=self.width, dtype=self.geometry.dtype,
+                                        bytes=rows * self.row_bytes)
+
+    @property
+    def file_glob(self) -> str:
+        """Every file this pattern can produce: the stale tables of other geometries."""
+        return re.sub(r"\{[^}]*\}", "*", self.file_pattern)
+
+    def to_json(self) -> dict:
+        g = self.geometry
+        return {"format": SPEC_FORMAT, "placement": self.placement,
+                "geometry": {"layers": list(g.layers), "orders": list(g.orders),
+                             "heads_per_order": g.heads_per_order,
+                             "vocab_per_order": list(g.vocab_per_order),
+                             "row_values": g.row_values, "dtype": g.dtype},
+                "shard_tensor": self.shard_tensor, "shards": self.shards,
+                "file_pattern": self.file_pattern, "min_host_ram_gb": self.min_host_ram_gb,
+                "recipe": dict(self.recipe)}
+
+
+def parse_spec(doc: Any, source: str = "spec") -> PleTableSpec:
+    """Check a spec document (see the module doc); errors name the key."""
+    def bad(key: str, msg: str) -> InputError:
+        return InputError(msg, file=source, key=key)
+
+    if not isinstance(doc, dict):
+        raise bad("", "expected a JSON object")
+    if doc.get("format") != SPEC_FORMAT:
+        raise bad("format", f"expected {SPEC_FORMAT!r}, got {doc.get('format')!r}")
+
+    def need(d: dict, key: str, typ: type | tuple, path: str) -> Any:
+        if key not in d:
+            raise bad(f"{path}{key}", "missing")
+        v = d[key]
+        if isinstance(v, bool) and typ is not bool or not isinstance(v, typ):
+            raise bad(f"{path}{key}", f"expected {getattr(typ, '__name__', typ)}, got {v!r}")
+        return v
+
+    g = need(doc, "geometry", dict, "")
+    ints = lambda k: tuple(need({k: x}, k, int, "geometry.") for x in need(g, k, list, "geometry."))
+    geom = TableGeometry(layers=ints("layers"), orders=ints("orders"),
+                         heads_per_order=need(g, "heads_per_order", int, "geometry."),
+                         vocab_per_order=ints("vocab_per_order"),
+                         row_values=need(g, "row_values", int, "geometry."),
+                         dtype=need(g, "dtype", str, "geometry."))
+    geom.validate("geometry", source)
+    if geom.dtype not in DTYPE_BYTES:
+        raise bad("geometry.dtype", f"unknown safetensors dtype {geom.dtype!r}")
+    if len(geom.layers) != 1:
+        raise bad("geometry.layers", f"a PLE table file holds one layer's table; got layers "
+                  f"{list(geom.layers)}")
+    shards = need(doc, "shards", int, "")
+    if shards < 1:
+        raise bad("shards", "must be >= 1")
+    tensor = need(doc, "shard_tensor", str, "")
+    pattern = need(doc, "file_pattern", str, "")
+    _check_format(tensor, {"layer", "shard"}, "shard_tensor", source, required={"shard"})
+    _check_format(pattern, set(PATTERN_FIELDS), "file_pattern", source)
+    if "/" in pattern or pattern.startswith(".") or not pattern.endswith(".bin"):
+        raise bad("file_pattern", f"{pattern!r}: expected a plain file name ending in .bin")
+    ram = doc.get("min_host_ram_gb", 64.0)
+    if isinstance(ram, bool) or not isinstance(ram, (int, float)):
+        raise bad("min_host_ram_gb", f"expected a number, got {ram!r}")
+    return PleTableSpec(placement=need(doc, "placement", str, ""), geometry=geom,
+                        shard_tensor=tensor, shards=shards, file_pattern=pattern,
+                        min_host_ram_gb=float(ram), recipe=dict(doc.get("recipe") or {}),
+                        source=source)
+
+
+def _check_format(text: str, allowed: set[str], key: str, source: str,
+                  required: set[str] = frozenset()) -> None:
+    try:
+        names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
+    except ValueError as e:
+        raise InputError(f"{text!r}: {e}", file=source, key=key) from None
+    unknown = names - allowed
+    if unknown:
+        raise InputError(f"{text!r}: unknown placeholder {{{sorted(unknown)[0]}}} (known: "
+                         f"{', '.join('{%s}' % a for a in sorted(allowed))})", file=source, key=key)
+    if required - names:
+        raise InputError(f"{text!r}: needs {{{sorted(required - names)[0]}}}", file=source, key=key)
+
+
+def load_spec(path: str | Path) -> PleTableSpec:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError("spec file not found", file=str(path)) from None
+    except ValueError as e:
+        raise InputError(f"not JSON: {e}", file=str(path)) from None
+    return parse_spec(doc, str(path))
+
+
+# -- pinned placement: RAM -----------------------------------------------------------------------
+
+def pinned_ram_verdict(available_bytes: int, spec: Any, host: str | None = None) -> tuple[bool, str]:
+    """Whether a host with `available_bytes` of available RAM (MemAvailable) can hold the pinned
+    PLE table. `spec` is the recipe's PleSpec, a PleTableSpec or a spec mapping (its
+    min_host_ram_gb, decimal GB). Pure: (ok, message naming the host, needed and available GB)."""
+    need = spec.get("min_host_ram_gb") if isinstance(spec, dict) else getattr(spec, "min_host_ram_gb")
+    need_gb = float(need if need is not None else 64.0)
+    have_gb = available_bytes / 1e9
+    who = host or "this host"
+    if have_gb >= need_gb:
+        return True, (f"{who}: {have_gb:.1f} GB RAM available >= {need_gb:g} GB needed for the "
+                      "pinned PLE table (ple.min_host_ram_gb)")
+    return False, (f"{who}: refusing placement 'pinned': the PLE table in pinned system RAM needs "
+                   f"{need_gb:g} GB available (ple.min_host_ram_gb) but {who} has {have_gb:.1f} GB "
+                   "available (MemAvailable). Free memory on the host, use a host with more RAM, "
+                   "or put the table on NVMe (--set ple.placement=nvme)")
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int:
+    with open(meminfo) as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise WriteFailed(f"{meminfo} has no MemAvailable line")
+
+
+# -- the source: shards in the checkpoint --------------------------------------------------------
+
+@dataclass(frozen=True)
+class Source:
+    checkpoint: Checkpoint
+    rows: int
+    segments: list[bulkcopy.Segment]
+    tensors: list[dict]                    # name, file, offset, rows (in shard order)
+    identity: list[dict]                   # Checkpoint.identity of the files holding the shards
+
+
+def resolve_source(spec: PleTableSpec, checkpoint_dir: str | Path) -> Source:
+    """Find every shard; check dtype, width and the row total against the geometry (exit 2)."""
+    ck = Checkpoint(checkpoint_dir)
+    names = [spec.shard_name(i) for i in range(spec.shards)]
+    missing = [i for i, n in enumerate(names) if not ck.has(n)]
+    if missing:
+        shown = ", ".join(f"shard {i} ({names[i]!r})" for i in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise InputError(f"{len(missing)} of {spec.shards} PLE shard tensors missing: {shown}{more}; "
+                         f"the recipe expects shards 0..{spec.shards - 1} named by ple.shard_tensor",
+                         file=str(ck.folder))
+    segs, tensors, off = [], [], 0
+    for i, name in enumerate(names):
+        t = ck.tensor(name)
+        where = f"shard {i} ({name!r}) in {t.file.name}"
+        if t.dtype != spec.geometry.dtype:
+            raise InputError(f"{where} is {t.dtype}, the recipe's ple.geometry.dtype is "
+                             f"{spec.geometry.dtype}", file=str(t.file))
+        if len(t.shape) != 2 or t.shape[1] != spec.width:
+            width = t.shape[1] if len(t.shape) == 2 else f"shape {list(t.shape)}"
+            raise InputError(f"{where} has shape {list(t.shape)}: width {width}, but the recipe's "
+                             f"ple.geometry.row_values is {spec.width}", file=str(t.file))
+        segs.append(bulkcopy.Segment(str(t.file), t.offset, off, t.nbytes))
+        tensors.append({"name": name, "file": t.file.name, "offset": t.offset, "rows": t.rows})
+        off += t.nbytes
+    rows = sum(t["rows"] for t in tensors)
+    expect = total_rows(spec.geometry)
+    if rows != expect:
+        g = spec.geometry
+        raise InputError(
+            f"the {spec.shards} PLE shards hold {rows:,} rows but the recipe geometry has "
+            f"{expect:,} rows (prime scheme: layers {list(g.layers)}, orders {list(g.orders)}, "
+            f"{g.heads_per_order} heads per order, base vocabulary {list(g.vocab_per_order)}); "
+            "check ple.geometry and ple.shards against the checkpoint", file=str(ck.folder))
+    files = sorted({t["file"] for t in tensors})
+    identity = [i.to_json() for i in ck.identity(files)]
+    return Source(ck, rows, segs, tensors, identity)
+
+
+def table_key(spec: PleTableSpec, src: Source, name: str) -> str:
+    doc = {"geometry": spec.to_json()["geometry"], "file": name, "tensors": src.tensors,
+           "identity": src.identity}
+    blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+# -- restart decision ---------------------------------------------------------------------------
+
+def read_manifest(dest: Path) -> dict | None:
+    try:
+        doc = json.loads((dest / MANIFEST_NAME).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == MANIFEST_FORMAT else None
+
+
+def keep_reason(man: dict | None, dest: Path, name: str, key: str, src: Source,
+                bytes_: int) -> tuple[bool, str]:
+    """(keep?, why) from the manifest, the file's stat and the source identity: nothing is read."""
+    if man is None:
+        return False, "no valid manifest" if (dest / MANIFEST_NAME).exists() else "no manifest"
+    if man.get("file") != name:
+        return False, f"the manifest describes {man.get('file')} (another geometry)"
+    if man.get("source", {}).get("files") != src.identity:
+        old = {f["name"]: f for f in man.get("source", {}).get("files", [])}
+        changed = [f["name"] for f in src.identity if old.get(f["name"]) != f] or ["(file list)"]
+        return False, f"the checkpoint changed ({', '.join(changed[:3])}: size, mtime or header)"
+    if man.get("table_key") != key:
+        return False, "the shard layout or geometry changed"
+    try:
+        st = os.stat(dest / name)
+    except FileNotFoundError:
+        return False, f"{name} is missing"
+    rec = man.get("stat", {})
+    if st.st_size != bytes_ or rec.get("size") != bytes_:
+        return False, f"{name} has {st.st_size} bytes, expected {bytes_}"
+    if (st.st_ino, st.st_mtime_ns) != (rec.get("ino"), rec.get("mtime_ns")):
+        return False, f"{name} was modified or replaced since it was written (inode/mtime differ)"
+    return True, (f"{name} matches its manifest: same checkpoint ({len(src.identity)} file(s): "
+                  f"sizes, mtimes, headers), same geometry ({src.rows:,} rows x {man.get('row_bytes')} B), "
+                  "same size, inode and mtime")
+
+
+def verify_file(path: Path, man: dict) -> str | None:
+    """Re-hash the file chunk by chunk against the manifest; None if equal, else what differs."""
+    ck = man["checksum"]
+    want = ck["chunks"]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = 0
+        for i, h in bulkcopy.hash_chunks(fd, [(0, man["bytes"])], ck["chunk_bytes"]):
+            got += 1
+            if i >= len(want) or h != want[i]:
+                lo = i * ck["chunk_bytes"]
+                return (f"chunk {i} (bytes {lo}..{min(lo + ck['chunk_bytes'], man['bytes'])}) has "
+                        f"sha256 {h[:16]}..., the manifest says {want[i][:16] if i < len(want) else '-'}...")
+        if got != len(want):
+            return f"{got} chunks hashed, the manifest lists {len(want)}"
+    finally:
+        os.close(fd)
+    return None
+
+
+# -- read-back check ----------------------------------------------------------------------------
+
+def readback_check(path: str, spec: PleTableSpec, src: Source, samples: int = RANDOM_SAMPLES,
+                   seed: int | None = None) -> int:
+    """mmap the written file; compare sampled rows (first, last, every shard's first and last,
+    random ones) with the checkpoint bytes. Returns the rows checked; raises WriteFailed."""
+    rb = spec.row_bytes
+    starts, r = [], 0
+    for t in src.tensors:
+        starts.append(r)
+        r += t["rows"]
+    rows = {0, src.rows - 1}
+    for s, t in zip(starts, src.tensors):
+        if t["rows"]:
+            rows.update((s, s + t["rows"] - 1))
+    rng = random.Random(seed)
+    rows.update(rng.randrange(src.rows) for _ in range(min(samples, src.rows)))
+    fds: dict[str, int] = {}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if src.rows == 0:
+            return 0
+        with mmap.mmap(fd, src.rows * rb, prot=mmap.PROT_READ) as mm:
+            checks = []
+            shard = 0
+            for row in sorted(rows):
+                while shard + 1 < len(starts) and starts[shard + 1] <= row:
+                    shard += 1
+                seg = src.segments[shard]
+                sfd = fds.get(seg.src)
+                if sfd is None:
+                    sfd = fds[seg.src] = os.open(seg.src, os.O_RDONLY)
+                checks.append((row, shard, seg.src, sfd, seg.src_off + (row - starts[shard]) * rb))
+            # ask for every sampled page at once (async readahead), then compare: the disk sees
+            # one deep queue of small reads instead of hundreds of serial ones
+            for row, _, _, sfd, src_off in checks:
+                page = row * rb // mmap.PAGESIZE * mmap.PAGESIZE
+                mm.madvise(mmap.MADV_WILLNEED, page, min(2 * mmap.PAGESIZE, src.rows * rb - page))
+                os.posix_fadvise(sfd, src_off, rb, os.POSIX_FADV_WILLNEED)
+            for row, shard, spath, sfd, src_off in checks:
+                want = os.pread(sfd, rb, src_off)
+                if mm[row * rb:(row + 1) * rb] != want:
+                    raise WriteFailed(f"read-back check: row {row} (shard {shard}) of the written file "
+                                      f"differs from the checkpoint ({spath} at byte {src_off})")
+                bulkcopy.drop_cache_around(sfd, src_off, rb)
+        return len(rows)
+    finally:
+        bulkcopy.drop_cache(fd, 0, 0)
+        os.close(fd)
+        for f in fds.values():
+            os.close(f)
+
+
+# -- the write ----------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    status: str                    # written | rewritten | kept | no-file
+    reason: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"op": "ple-write", "status": self.status, "reason": self.reason, **self.data}
+
+
+class _DirLock:
+    """flock on the destination folder: one writer per folder."""
+
+    def __init__(self, dest: Path):
+        self.fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise WriteFailed(f"another ple-write holds the lock on {dest}; wait for it to finish") from None
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _remove(paths: list[Path]) -> list[str]:
+    out = []
+    for p in paths:
+        try:
+            p.unlink()
+            out.append(p.name)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def write_table(spec: PleTableSpec, checkpoint: str | Path, dest: str | Path, *, verify: bool = False,
+                host: str | None = None, prealloc: bool = True,
+                chunk_bytes: int = bulkcopy.CHUNK_BYTES, quiet: bool = False,
+                meminfo: str = "/proc/meminfo") -> Outcome:
+    """Write (or keep) the table file; see the module doc. Raises InputError (exit 2) or
+    WriteFailed (exit 1)."""
+    t0 = time.monotonic()
+    if spec.placement == "pinned":
+        ok, msg = pinned_ram_verdict(mem_available(meminfo), spec, host)
+        if not ok:
+            raise WriteFailed(msg)
+        return Outcome("no-file", "placement 'pinned': SGLang loads the table into pinned RAM, "
+                       "no file is written; " + msg, {"host": host})
+    if spec.placement != "nvme":
+        return Outcome("no-file", f"placement {spec.placement!r}: no table file to write", {"host": host})
+
+    src = resolve_source(spec, checkpoint)
+    name = spec.file_name(src.rows)
+    total = src.rows * spec.row_bytes
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    final = dest / name
+    key = table_key(spec, src, name)
+    lock = _DirLock(dest)
+    try:
+        removed = _remove(_matching(dest, f".{spec.file_glob}.*.tmp"))   # a crashed run's temp files
+        man = read_manifest(dest)
+        keep, why = keep_reason(man, dest, name, key, src, total)
+        decided = time.monotonic() - t0
+        base = {"file": str(final), "rows": src.rows, "row_bytes": spec.row_bytes, "bytes": total,
+                "decided_in_s": round(decided, 3), "host": host}
+        if keep and verify:
+            bad = verify_file(final, man)
+            if bad:
+                keep, why = False, f"--verify: {bad}"
+            else:
+                why += f"; --verify re-hashed all {len(man['checksum']['chunks'])} chunks: equal"
+        if keep:
+            removed += _remove(_others(dest, spec, name))
+            return Outcome("kept", why, {**base, "removed": removed,
+                                         "seconds": round(time.monotonic() - t0, 3)})
+
+        existed = final.exists()
+        _log(f"ple-write: writing {name} ({total / 1e9:.2f} GB, {src.rows:,} rows) to {dest}: {why}", quiet)
+        (dest / MANIFEST_NAME).unlink(missing_ok=True)   # the manifest is removed first, written last
+        tmp = dest / f".{name}.{os.getpid()}.tmp"
+        try:
+            res = _write_new(tmp, src, total, prealloc, chunk_bytes, quiet, dest, name)
+            checked = readback_check(str(tmp), spec, src)
+            os.rename(tmp, final)                     # over the old file: it is never read
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(dest)
+        removed += _remove(_others(dest, spec, name))
+        fsync_dir(dest)
+        st = final.stat()
+        manifest = {
+            "format": MANIFEST_FORMAT, "file": name, "rows": src.rows, "row_bytes": spec.row_bytes,
+            "width": spec.width, "dtype": spec.geometry.dtype, "bytes": total,
+            "checksum": {"scheme": bulkcopy.CHECKSUM, "chunk_bytes": res.chunk_bytes,
+                         "chunks": res.chunks},
+            "source": {"checkpoint": str(Path(checkpoint).resolve()), "files": src.identity,
+                       "tensors": src.tensors},
+            "table_key": key,
+            "stat": {"ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "size": st.st_size},
+            "recipe": spec.recipe, "spec": spec.to_json(),
+            "written": {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "seconds": round(res.seconds, 3), "preallocated": res.preallocated,
+                        "readback_rows": checked, "host": host},
+        }
+        atomic_write_text(dest / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
+        secs = time.monotonic() - t0
+        return Outcome("rewritten" if existed else "written", why, {
+            **base, "removed": removed, "seconds": round(secs, 3),
+            "copy_seconds": round(res.seconds, 3),
+            "mb_per_s": round(total / 1e6 / res.seconds, 1) if res.seconds > 0 else None,
+            "preallocated": res.preallocated, "readback_rows": checked,
+            "chunks": len(res.chunks), "chunk_bytes": res.chunk_bytes})
+    finally:
+        lock.close()
+
+
+def _matching(dest: Path, pattern: str) -> list[Path]:
+    return [Path(p) for p in sorted(glob.glob(os.path.join(glob.escape(str(dest)), pattern)))]
+
+
+def _others(dest: Path, spec: PleTableSpec, name: str) -> list[Path]:
+    """Table files of other geometries (the engine expects exactly one)."""
+    return [p for p in _matching(dest, spec.file_glob) if p.name != name]
+
+
+def _write_new(tmp: Path, src: Source, total: int, prealloc: bool, chunk_bytes: int, quiet: bool,
+               dest: Path, name: str) -> bulkcopy.CopyResult:
+    """Copy the shards into a new temp file (the caller removes it on failure)."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    last = [time.monotonic()]
+
+    def progress(done: int, tot: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 5 or done == tot:
+            last[0] = now
+            _log(f"ple-write: {done / 1e9:.2f} / {tot / 1e9:.2f} GB", quiet)
+
+    try:
+        return bulkcopy.copy_segments(fd, src.segments, chunk_bytes=chunk_bytes, prealloc=prealloc,
+                                      progress=progress)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            st = os.statvfs(dest)
+            raise WriteFailed(
+                f"no space left in {dest} for {name}: it needs {total:,} bytes "
+                f"({total / 1e9:.2f} GB); {st.f_bavail * st.f_frsize:,} bytes are free besides the "
+                "partial write, which was removed (no table file and no manifest were left)") from None
+        raise WriteFailed(f"writing {tmp}: {e}") from None
+    finally:
+        os.close(fd)
+
+
+# -- command line -------------------------------------------------------------------------------
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="ple-write", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spec", required=True, help="the JSON spec deployctl wrote")
+    ap.add_argument("--checkpoint", help="checkpoint folder (safetensors)")
+    ap.add_argument("--dest", help="folder for the table file (the engine's --ple-offload-dir)")
+    ap.add_argument("--verify", action="store_true", help="re-hash a kept file against its manifest")
+    ap.add_argument("--host", default=None, help="this host's inventory name (for messages)")
+    ap.add_argument("--no-preallocate", action="store_true", help="skip fallocate")
+    ap.add_argument("--chunk-mib", type=int, default=bulkcopy.CHUNK_BYTES >> 20)
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        spec = load_spec(a.spec)
+        if spec.placement == "nvme" and not (a.checkpoint and a.dest):
+            raise InputError("placement nvme needs --checkpoint and --dest", key="--checkpoint")
+        out = write_table(spec, a.checkpoint or "", a.dest or "", verify=a.verify, host=a.host,
+                          prealloc=not a.no_preallocate, chunk_bytes=a.chunk_mib << 20, quiet=a.quiet)
+    except DeployctlError as e:
+        print(json.dumps({"op": "ple-write", "status": "failed", "error": str(e), "exit": e.exit_code,
+                          "host": a.host}))
+        print(f"ple-write: error: {e}", file=sys.stderr)
+        return e.exit_code
+    print(json.dumps(out.to_json()))
+    return 0

@@ -1,0 +1,166 @@
+"""Stage write-ple and `deployctl ple ...`: the plan, the spec, the CLI's local write, and (marked
+`cluster`) the stage through Ansible on a test-cluster host, RTX RAM refusal included."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from orchestrator.cli import cli
+from orchestrator.deployment import load_deployment
+from orchestrator.plan import build_plan
+from orchestrator.recipe import load_recipe
+from orchestrator.stages.write_ple import spec_for
+from orchestrator.tables import ple_write as P
+from orchestrator.tables.geometry import total_rows
+from tests import synth
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ("ple.geometry.vocab_per_order=[97,101]", "ple.geometry.row_values=16", "ple.shards=4")
+
+
+def test_plan_spark_names_the_file_and_rtx_writes_none():
+    st = build_plan(load_deployment(REPO / "inventories/spark1.yml"), only=("write-ple",)).stage("write-ple")
+    (a,) = st.actions
+    assert a.details["file"].endswith("/ple/ple_table_320001446x160_F8_E4M3_51200231360B.bin")
+    assert a.command[2:4] == ("ple-write", "--spec") and "--checkpoint" in a.command
+    assert a.details["playbook"] == "playbooks/write-ple.yml"
+    st = build_plan(load_deployment(REPO / "inventories/rtx1.yml"), only=("write-ple",)).stage("write-ple")
+    (a,) = st.actions
+    assert "no table file is written" in a.summary and "64 GB" in a.summary
+    assert "--checkpoint" not in a.command
+    st = build_plan(load_deployment(REPO / "inventories/rtx1.yml", sets=("ple.placement=memory",)),
+                    only=("write-ple",)).stage("write-ple")
+    assert st.actions == () and "no file" in st.note
+
+
+def test_spec_round_trips_through_the_op_parser():
+    r = load_recipe("qwen38-flash-next-spark").recipe
+    doc = spec_for(r)
+    spec = P.parse_spec(json.loads(json.dumps(doc)))
+    assert spec.to_json() == doc
+    assert total_rows(spec.geometry) == 320_001_446
+
+
+def small_checkpoint(folder: Path, sets=SMALL, recipe="qwen38-flash-next-spark") -> list[synth.TensorPlan]:
+    r = load_recipe(recipe, sets).recipe
+    plans = [t for t in synth.recipe_tensors(r) if ".ple." in t.name]
+    synth.write_checkpoint(folder, plans, files=3)
+    return plans
+
+
+def table_bytes(plans) -> bytes:
+    return b"".join(synth.expected_row(t.name, i, t.width) for t in plans for i in range(t.rows))
+
+
+def test_cli_write_then_keep_json(tmp_path):
+    plans = small_checkpoint(tmp_path / "ck")
+    args = ["ple", "write", "--checkpoint", str(tmp_path / "ck"), "--dest", str(tmp_path / "ple"),
+            *[x for s in SMALL for x in ("--set", s)], "--json"]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["status"] == "written"
+    assert Path(doc["file"]).read_bytes() == table_bytes(plans)
+    r = CliRunner().invoke(cli, args[:-1] + ["--verify"])
+    assert r.exit_code == 0 and r.output.startswith("kept ") and "equal" in r.output, r.output
+
+
+def test_cli_write_bad_input_exits_2(tmp_path):
+    small_checkpoint(tmp_path / "ck")
+    r = CliRunner().invoke(cli, ["ple", "write", "--checkpoint", str(tmp_path / "ck"), "--dest",
+                                 str(tmp_path / "ple"), "--set", "ple.geometry.vocab_per_order=[97,101]",
+                                 "--set", "ple.geometry.row_values=16", "--set", "ple.shards=5"])
+    assert r.exit_code == 2
+    assert "shard 4" in r.output and "missing" in r.output
+
+
+def test_cli_spec_and_vars(tmp_path):
+    r = CliRunner().invoke(cli, ["ple", "spec", "-r", "qwen38-flash-next-rtx"])
+    assert r.exit_code == 0 and json.loads(r.output)["placement"] == "pinned"
+    pyz = tmp_path / "t.pyz"
+    pyz.write_bytes(b"")
+    r = CliRunner().invoke(cli, ["ple", "vars", "-i", str(REPO / "inventories/spark1.yml"), "--pyz", str(pyz)])
+    assert r.exit_code == 0, r.output
+    v = json.loads(r.output)
+    assert v["tables_pyz"] == str(pyz) and set(v["ple_hosts"]) == {"spark1"}
+    assert v["ple_hosts"]["spark1"]["argv"][:3] == ["python3", v["ple_hosts"]["spark1"]["pyz"], "ple-write"]
+
+
+# -- through Ansible on a test-cluster host ------------------------------------------------------
+
+def one_host_inventory(cluster, tmp_path, hardware: str, recipe: str) -> Path:
+    from tests.cluster.cluster import inventory_data
+    data = inventory_data(cluster.name, cluster.hosts[:1], deployment="pletest", recipe=recipe)
+    data["all"]["vars"]["run_dir"] = str(tmp_path / "runs")
+    data["all"]["vars"].pop("recipe_overrides", None)
+    (h,) = data["all"]["hosts"].values()
+    h["hardware"] = hardware
+    inv = tmp_path / f"inv-{hardware}.yml"
+    inv.write_text(yaml.safe_dump(data, sort_keys=False))
+    return inv
+
+
+def deployctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout)
+
+
+# Own folders on the host so other tests sharing the session's cluster are not touched.
+CLUSTER_SETS = (*SMALL, "model.checkpoint_dir=ple-test-checkpoint", "ple.subdir=ple-test")
+
+
+@pytest.mark.cluster
+def test_stage_writes_then_keeps_through_ansible(cluster, tmp_path):
+    inv = one_host_inventory(cluster, tmp_path, "dgx-spark", "qwen38-flash-next-spark")
+    sets = [x for s in CLUSTER_SETS for x in ("--set", s)]
+    dep = load_deployment(inv, sets=CLUSTER_SETS)
+    host = dep.cluster.hosts[0]
+    ck, dest = Path(dep.checkpoint_dir(host)), Path(dep.ple_dir(host))
+    plans = small_checkpoint(ck, CLUSTER_SETS)
+    for old in dest.glob("*") if dest.exists() else []:
+        old.unlink()
+    (dest.mkdir(parents=True, exist_ok=True))
+    (dest / "ple_table_1x16_F8_E4M3_16B.bin").write_bytes(b"stale geometry..")
+
+    p = deployctl("ple", "-i", str(inv), *sets, "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    (res,) = json.loads(p.stdout)["stages"][0]["results"]
+    assert res["status"] == "ok" and res["message"].startswith("written "), res
+    f = Path(res["data"]["file"])
+    assert f.parent == dest and f.read_bytes() == table_bytes(plans)
+    assert [x.name for x in dest.glob("ple_table_*.bin")] == [f.name]       # the stale one is gone
+    assert (dest / P.MANIFEST_NAME).exists()
+    st = f.stat()
+
+    p = deployctl("ple", "-i", str(inv), *sets, "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    (res,) = json.loads(p.stdout)["stages"][0]["results"]
+    assert res["status"] == "skipped" and res["message"].startswith("kept: "), res
+    assert res["data"]["decided_in_s"] < 2
+    assert (f.stat().st_ino, f.stat().st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+    run_dir = Path(json.loads(p.stdout)["run_dir"])
+    assert (run_dir / "write-ple-vars.json").exists()
+
+
+@pytest.mark.cluster
+def test_rtx_pinned_ram_check_refuses_on_the_host(cluster, tmp_path):
+    inv = one_host_inventory(cluster, tmp_path, "rtx-pro-6000", "qwen38-flash-next-rtx")
+    host = cluster.hosts[0].name
+    p = deployctl("ple", "-i", str(inv), "--set", "ple.min_host_ram_gb=100000", "--set", "ple.subdir=ple-test")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert f"{host}: refusing placement 'pinned'" in p.stderr and "needs 100000 GB" in p.stderr, p.stderr
+    avail = next(int(x.split()[1]) * 1024 for x in open("/proc/meminfo") if x.startswith("MemAvailable"))
+    assert f"has {avail / 1e9:.0f}" in p.stderr or "GB available (MemAvailable)" in p.stderr
+
+    p = deployctl("ple", "-i", str(inv), "--set", "ple.min_host_ram_gb=1", "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    (res,) = json.loads(p.stdout)["stages"][0]["results"]
+    assert res["status"] == "ok" and "no file is written" in res["message"], res
+    assert not list(Path(cluster.hosts[0].nvme_dir).glob("ple/ple_table_*.bin"))

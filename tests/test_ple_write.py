@@ -1,0 +1,330 @@
+"""The host-side PLE table writer (orchestrator/tables/ple_write.py), on synthetic checkpoints.
+
+16 shards of uneven sizes over 5 safetensors files, tiny vocabularies (97/101 per order), width 160;
+small checksum chunks so shards straddle chunk boundaries. Every byte of the written file is
+checked against tests/synth.py's independent row function.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import InputError
+from orchestrator.tables import bulkcopy, bundle
+from orchestrator.tables import ple_write as P
+from orchestrator.tables.geometry import TableGeometry, total_rows
+from tests.synth import TensorPlan, expected_row, write_checkpoint
+
+TENSOR = "model.language_model.layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{shard}.weight"
+CHUNK = 8192                      # 51.2 rows of 160 B: chunks and shards never line up
+
+
+def spec_doc(shards: int = 16, vocab=(97, 101), width: int = 160, placement: str = "nvme",
+             **extra) -> dict:
+    return {"format": P.SPEC_FORMAT, "placement": placement,
+            "geometry": {"layers": [2], "orders": [2, 3], "heads_per_order": 8,
+                         "vocab_per_order": list(vocab), "row_values": width, "dtype": "F8_E4M3"},
+            "shard_tensor": TENSOR, "shards": shards,
+            "file_pattern": "ple_table_{rows}x{width}_{dtype}_{bytes}B.bin", "min_host_ram_gb": 64,
+            "recipe": {"name": "test", "digest": "0"}, **extra}
+
+
+def shard_plans(rows: int, shards: int, width: int = 160, seed: int = 7) -> list[TensorPlan]:
+    cuts = sorted(random.Random(seed).sample(range(1, rows), shards - 1))
+    bounds = [0, *cuts, rows]
+    return [TensorPlan(TENSOR.format(layer=2, shard=i), "F8_E4M3", bounds[i + 1] - bounds[i], width)
+            for i in range(shards)]
+
+
+def expected_bytes(plans: list[TensorPlan]) -> bytes:
+    return b"".join(expected_row(t.name, r, t.width) for t in plans for r in range(t.rows))
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    spec = P.parse_spec(spec_doc())
+    plans = shard_plans(total_rows(spec.geometry), 16)
+    write_checkpoint(tmp_path / "ckpt", plans, files=5)
+    return spec, tmp_path / "ckpt", plans
+
+
+def write(spec, ck, dest, **kw):
+    kw.setdefault("chunk_bytes", CHUNK)
+    return P.write_table(spec, ck, dest, quiet=True, **kw)
+
+
+def run_main(tmp_path, doc, ck, dest, *extra) -> tuple[int, dict]:
+    sp = tmp_path / "spec.json"
+    sp.write_text(json.dumps(doc))
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = P.main(["--spec", str(sp), "--checkpoint", str(ck), "--dest", str(dest), "--quiet", *extra])
+    return rc, json.loads(buf.getvalue().strip().splitlines()[-1])
+
+
+class OpenSpy:
+    """Records every path ple_write / bulkcopy open, to prove a file was not read."""
+
+    def __init__(self, monkeypatch):
+        self.paths: list[str] = []
+        real = os.open
+
+        def spy(path, flags, *a, **k):
+            self.paths.append(os.path.realpath(path) if not isinstance(path, int) else str(path))
+            return real(path, flags, *a, **k)
+        monkeypatch.setattr(P.os, "open", spy)      # one os module: bulkcopy's open is the same
+
+    def opened(self, path: Path) -> bool:
+        return os.path.realpath(path) in self.paths
+
+
+def test_every_byte_and_manifest(ckpt, tmp_path):
+    spec, ck, plans = ckpt
+    rows = total_rows(spec.geometry)
+    assert rows == sum(t.rows for t in plans) == 2124
+    out = write(spec, ck, tmp_path / "ple")
+    assert out.status == "written", out
+    f = Path(out.data["file"])
+    assert f.name == f"ple_table_{rows}x160_F8_E4M3_{rows * 160}B.bin"
+    assert f.read_bytes() == expected_bytes(plans)
+    m = json.loads((tmp_path / "ple" / P.MANIFEST_NAME).read_text())
+    assert (m["rows"], m["row_bytes"], m["dtype"], m["bytes"]) == (rows, 160, "F8_E4M3", rows * 160)
+    data = f.read_bytes()
+    sums = [__import__("hashlib").sha256(data[i:i + CHUNK]).hexdigest() for i in range(0, len(data), CHUNK)]
+    assert m["checksum"] == {"scheme": "sha256", "chunk_bytes": CHUNK, "chunks": sums}
+    assert [x["name"] for x in m["source"]["files"]] == sorted({p.name for p in ck.glob("*.safetensors")})
+    assert m["recipe"] == {"name": "test", "digest": "0"}
+    assert out.data["readback_rows"] >= 2 * 16
+    assert sorted(os.listdir(tmp_path / "ple")) == sorted([f.name, P.MANIFEST_NAME])
+
+
+def test_restart_keeps_the_file_without_reading_it(ckpt, tmp_path, monkeypatch):
+    spec, ck, _ = ckpt
+    dest = tmp_path / "ple"
+    first = write(spec, ck, dest)
+    f = Path(first.data["file"])
+    st = f.stat()
+    spy = OpenSpy(monkeypatch)
+    again = write(spec, ck, dest)
+    assert again.status == "kept", again
+    assert "matches its manifest" in again.reason
+    assert again.data["decided_in_s"] < 2
+    assert spy.opened(f.parent) and not spy.opened(f)     # the folder lock, not the table
+    st2 = f.stat()
+    assert (st2.st_ino, st2.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+
+
+def test_changed_checkpoint_rewrites_by_rename_without_reading_the_old_file(ckpt, tmp_path, monkeypatch):
+    spec, ck, plans = ckpt
+    dest = tmp_path / "ple"
+    f = Path(write(spec, ck, dest).data["file"])
+    old_ino = f.stat().st_ino
+    # a new revision of the checkpoint: other bytes in shard 3's rows
+    t = plans[3]
+    info = P.Checkpoint(ck).tensor(t.name)
+    with open(info.file, "r+b") as fh:
+        fh.seek(info.offset)
+        fh.write(b"\xAB" * 160)
+    spy = OpenSpy(monkeypatch)
+    out = write(spec, ck, dest)
+    assert out.status == "rewritten" and "checkpoint changed" in out.reason, out
+    assert spy.opened(info.file) and not spy.opened(f)   # sources read; the old table never opened
+    assert f.stat().st_ino != old_ino              # a new file renamed over it
+    start = sum(p.rows for p in plans[:3]) * 160
+    data = f.read_bytes()
+    assert data[start:start + 160] == b"\xAB" * 160
+    assert data[:start] == expected_bytes(plans[:3])
+
+
+def test_stale_tables_and_temp_files_are_removed_after_the_new_one(ckpt, tmp_path):
+    spec, ck, plans = ckpt
+    dest = tmp_path / "ple"
+    dest.mkdir()
+    stale = dest / "ple_table_999x160_F8_E4M3_159840B.bin"
+    stale.write_bytes(b"x" * 10)
+    crashed = dest / ".ple_table_2124x160_F8_E4M3_339840B.bin.4242.tmp"
+    crashed.write_bytes(b"y")
+    unrelated = dest / "notes.txt"
+    unrelated.write_text("keep me")
+    out = write(spec, ck, dest)
+    assert sorted(out.data["removed"]) == sorted([stale.name, crashed.name])
+    assert not stale.exists() and not crashed.exists() and unrelated.exists()
+    assert [p.name for p in dest.glob("ple_table_*.bin")] == [Path(out.data["file"]).name]
+
+
+def test_other_geometry_replaces_the_table(ckpt, tmp_path):
+    spec, ck, _ = ckpt
+    dest = tmp_path / "ple"
+    old = Path(write(spec, ck, dest).data["file"])
+    # same shards regrouped: 8 shards over another checkpoint with another vocabulary
+    spec2 = P.parse_spec(spec_doc(shards=8, vocab=(211, 223)))
+    plans2 = shard_plans(total_rows(spec2.geometry), 8, seed=3)
+    write_checkpoint(tmp_path / "ck2", plans2, files=3)
+    out = write(spec2, tmp_path / "ck2", dest)
+    assert out.status == "written" and "another geometry" in out.reason
+    assert out.data["removed"] == [old.name] and not old.exists()
+    assert Path(out.data["file"]).read_bytes() == expected_bytes(plans2)
+
+
+def test_verify_finds_a_corrupted_byte_and_rewrites(ckpt, tmp_path):
+    spec, ck, plans = ckpt
+    dest = tmp_path / "ple"
+    f = Path(write(spec, ck, dest).data["file"])
+    ok = write(spec, ck, dest, verify=True)
+    assert ok.status == "kept" and "--verify re-hashed all 42 chunks: equal" in ok.reason, ok.reason
+    st = f.stat()
+    with open(f, "r+b") as fh:                    # bit rot: the bytes change, size and mtime do not
+        fh.seek(20000)
+        b = fh.read(1)
+        fh.seek(20000)
+        fh.write(bytes([b[0] ^ 0x40]))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert write(spec, ck, dest).status == "kept"          # the cheap check cannot see it
+    out = write(spec, ck, dest, verify=True)
+    assert out.status == "rewritten", out
+    assert "--verify: chunk 2 (bytes 16384..24576)" in out.reason
+    assert f.read_bytes() == expected_bytes(plans)
+
+
+def test_enospc_leaves_no_table_and_no_manifest(ckpt, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    spec, ck, _ = ckpt
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "dctl-ple-test", str(small)], check=True)
+    try:
+        for prealloc in (True, False):            # refused at fallocate / mid-write without it
+            dest = small / "ple"
+            with pytest.raises(P.WriteFailed) as e:
+                write(spec, ck, dest, prealloc=prealloc)
+            assert "no space left" in str(e.value) and "339,840 bytes" in str(e.value)
+            assert os.listdir(dest) == [], (prealloc, os.listdir(dest))
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_missing_shard_is_named(ckpt, tmp_path):
+    spec, ck, plans = ckpt
+    write_checkpoint(tmp_path / "ck15", plans[:5] + plans[6:], files=4)
+    rc, res = run_main(tmp_path, spec_doc(), tmp_path / "ck15", tmp_path / "ple")
+    assert rc == 2 and res["status"] == "failed"
+    assert "1 of 16 PLE shard tensors missing: shard 5" in res["error"]
+    assert TENSOR.format(layer=2, shard=5) in res["error"]
+    assert not (tmp_path / "ple").exists()
+
+
+def test_wrong_width_is_named(ckpt, tmp_path):
+    spec, ck, plans = ckpt
+    bad = list(plans)
+    bad[9] = TensorPlan(plans[9].name, "F8_E4M3", plans[9].rows, 128)
+    write_checkpoint(tmp_path / "ckw", bad, files=5)
+    rc, res = run_main(tmp_path, spec_doc(), tmp_path / "ckw", tmp_path / "ple")
+    assert rc == 2
+    assert "shard 9" in res["error"] and "width 128" in res["error"] and "row_values is 160" in res["error"]
+
+
+def test_row_total_mismatch_names_both_figures(ckpt, tmp_path):
+    spec, ck, plans = ckpt
+    short = list(plans)
+    short[15] = TensorPlan(plans[15].name, "F8_E4M3", plans[15].rows - 3, 160)
+    write_checkpoint(tmp_path / "cks", short, files=5)
+    rc, res = run_main(tmp_path, spec_doc(), tmp_path / "cks", tmp_path / "ple")
+    assert rc == 2
+    assert "hold 2,121 rows" in res["error"] and "geometry has 2,124 rows" in res["error"]
+
+
+def test_readback_mismatch_fails_and_leaves_nothing(ckpt, tmp_path, monkeypatch):
+    spec, ck, _ = ckpt
+    real = bulkcopy.copy_range
+
+    def off_by_one_row(src_fd, src_off, dst_fd, dst_off, length, chunk=64 << 20):
+        real(src_fd, src_off + 160 if dst_off == 0 else src_off, dst_fd, dst_off, length, chunk)
+    monkeypatch.setattr(bulkcopy, "copy_range", off_by_one_row)
+    with pytest.raises(P.WriteFailed, match="read-back check: row 0"):
+        write(spec, ck, tmp_path / "ple")
+    assert os.listdir(tmp_path / "ple") == []
+
+
+def test_one_writer_per_folder(ckpt, tmp_path):
+    spec, ck, _ = ckpt
+    dest = tmp_path / "ple"
+    dest.mkdir()
+    held = P._DirLock(dest)
+    try:
+        with pytest.raises(P.WriteFailed, match="another ple-write holds the lock"):
+            write(spec, ck, dest)
+    finally:
+        held.close()
+
+
+def test_spec_errors_name_the_key(tmp_path):
+    with pytest.raises(InputError, match="shard_tensor.*needs \\{shard\\}"):
+        P.parse_spec(spec_doc(shard_tensor="a.{layer}.weight"))
+    with pytest.raises(InputError, match="file_pattern.*unknown placeholder \\{dims\\}"):
+        P.parse_spec(spec_doc(file_pattern="ple_table_{dims}.bin"))
+    with pytest.raises(InputError, match="geometry.layers.*one layer"):
+        d = spec_doc()
+        d["geometry"]["layers"] = [1, 2]
+        P.parse_spec(d)
+
+
+def test_pinned_ram_verdict_is_pure_and_names_host_needed_available():
+    spec = P.parse_spec(spec_doc(placement="pinned"))
+    ok, msg = P.pinned_ram_verdict(70 * 10**9, spec, "rtx1")
+    assert ok and "rtx1: 70.0 GB RAM available >= 64 GB" in msg
+    ok, msg = P.pinned_ram_verdict(20 * 10**9, {"min_host_ram_gb": 64}, "rtx1")
+    assert not ok
+    assert "rtx1" in msg and "needs 64 GB" in msg and "has 20.0 GB available" in msg
+
+
+def test_pinned_placement_writes_no_file_and_refuses_low_ram(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 100 kB\nMemAvailable:   10000000 kB\n")   # 10.24 GB
+    spec = P.parse_spec(spec_doc(placement="pinned", min_host_ram_gb=8))
+    out = P.write_table(spec, "", "", host="h1", meminfo=str(meminfo))
+    assert out.status == "no-file" and "no file is written" in out.reason and "10.2 GB" in out.reason
+    spec = P.parse_spec(spec_doc(placement="pinned", min_host_ram_gb=100000))
+    with pytest.raises(P.WriteFailed, match="h1: refusing placement 'pinned'.*needs 100000 GB"):
+        P.write_table(spec, "", "", host="h1", meminfo=str(meminfo))
+
+
+def test_zipapp_runs_under_a_bare_python(ckpt, tmp_path):
+    """What a host runs: the zipapp, the system python3 in isolated mode (no deployctl installed)."""
+    spec, ck, plans = ckpt
+    pyz = bundle.build(tmp_path / "bundle")
+    (tmp_path / "spec.json").write_text(json.dumps(spec_doc()))
+    py = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+    argv = [py, "-I", str(pyz), "ple-write", "--spec", str(tmp_path / "spec.json"),
+            "--checkpoint", str(ck), "--dest", str(tmp_path / "ple"), "--host", "n1"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["status"] == "written" and res["host"] == "n1"
+    assert Path(res["file"]).read_bytes() == expected_bytes(plans)
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert json.loads(p.stdout.strip().splitlines()[-1])["status"] == "kept"
+
+
+def test_chunks_cut_across_segments():
+    segs = [bulkcopy.Segment("a", 100, 0, 5), bulkcopy.Segment("a", 105, 5, 3), bulkcopy.Segment("b", 0, 8, 4)]
+    merged = bulkcopy.merge_adjacent(segs)
+    assert merged == [bulkcopy.Segment("a", 100, 0, 8), bulkcopy.Segment("b", 0, 8, 4)]
+    chunks = list(bulkcopy.chunk_pieces(merged, 5))
+    assert [[(p.src, p.src_off, p.dst_off, p.length) for p in c] for c in chunks] == [
+        [("a", 100, 0, 5)], [("a", 105, 5, 3), ("b", 0, 8, 2)], [("b", 2, 10, 2)]]
+
+
+def test_geometry_of_the_real_recipe():
+    g = TableGeometry((2,), (2, 3), 8, (20_000_000, 20_000_000), 160)
+    spec = P.parse_spec(spec_doc(vocab=(20_000_000, 20_000_000)))
+    assert total_rows(g) == 320_001_446
+    assert spec.file_name(total_rows(g)) == "ple_table_320001446x160_F8_E4M3_51200231360B.bin"
