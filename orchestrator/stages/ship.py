@@ -1,21 +1,171 @@
-"""ship: move the image from the head to every worker (placeholder)."""
+"""ship: move the image from the head's engine to every worker's, sending only the layers each lacks.
+
+Path of the bytes: head -> worker. The controller SSHes to the head and runs the ship agent there
+(orchestrator/ship/agent.py): one `docker save <image id>` whose stream is parsed once and fanned out
+to all workers in parallel, each over the head's own `ssh worker docker load`, each reduced to the
+layer folders that worker lacks. The controller probes the workers, reads progress, verifies.
+The head's SSH to the workers uses the inventory's key and known_hosts paths, which must exist on
+the head too (or `deployctl ship --head-ssh-key/--head-known-hosts`).
+"""
 from __future__ import annotations
 
+import shlex
+import time
+
 from ..plan import Action
-from ._pending import not_implemented
-from .base import Stage
+from .base import HostFailure, HostResult, Stage, run_per_host
 
 
 def plan(dep):
     e, head = dep.recipe.engine, dep.cluster.head_host
-    acts = [Action("ship", w.name, "image-ship",
-                   f"send the layers of {e.image} that {w.name} lacks from {head.name}",
-                   command=("ssh", f"{head.user}@{head.address}",
-                            f"docker save {e.image} | ssh {w.user}@{w.address} docker load"),
-                   details={"image": e.image})
-            for w in dep.cluster.workers]
+    acts = []
+    for w in dep.cluster.workers:
+        load = shlex.join(["ssh", f"{w.user}@{w.address}", "docker", "-H", w.docker_host, "load"])
+        acts.append(Action(
+            "ship", w.name, "image-ship",
+            f"send the layers of {e.image} that {w.name} lacks, from {head.name}'s engine, head to worker",
+            command=("ssh", f"{head.user}@{head.address}",
+                     f"docker -H {shlex.quote(head.docker_host)} save {shlex.quote(e.image)} "
+                     f"| <deployctl ship agent: only the layers {w.name} lacks> | {load}"),
+            details={"image": e.image, "from": head.name, "to": w.name}))
     return acts, "" if acts else "single host: nothing to ship"
 
 
-STAGE = Stage("ship", plan, not_implemented("ship", "ship issue"),
-              "ship the image to every worker, only the layers it lacks")
+def _timeouts(options: dict):
+    from ..ship.transfer import Timeouts
+    d = Timeouts()
+    stall = float(options.get("ship_stall_s") or d.stall_s)
+    deadline = float(options.get("ship_timeout_s") or d.deadline_s)
+    return Timeouts(connect_s=d.connect_s, stall_s=stall, deadline_s=deadline, load_s=min(d.load_s, deadline),
+                    head_silence_s=max(d.head_silence_s, stall))
+
+
+def apply(dep, actions, ctx):
+    from ..executors.ssh import SSHError
+    from ..ship import transfer as tr
+    from ..ship.progress import ShipProgress
+
+    cluster, head_host = dep.cluster, dep.cluster.head_host
+    image = dep.recipe.engine.image
+    t = _timeouts(ctx.options)
+    workers = {w.name: w for w in cluster.workers}
+    logs: dict = {}
+    layer_events: list[dict] = []
+
+    head: tr.HeadImage | None = None
+    head_error = ""
+    try:
+        with tr.ssh_target(head_host, cluster, t.connect_s).connect() as s:
+            head = tr.inspect_head(s, image, head_host.docker_host)
+    except (SSHError, tr.ShipError) as e:
+        head_error = f"head {head_host.name}: {e}"
+
+    progress = ShipProgress(ctx)
+
+    def on_event(ev: dict) -> None:
+        kind = ev.get("ev")
+        if kind == "p":
+            phase = {"save": f"docker save on {head_host.name}", "stream": "sending", "load": "docker load"}
+            for name, n in ev.get("b", {}).items():
+                dead = name in ev.get("dead", ())
+                progress.update(name, completed=n, status="failing" if dead else phase.get(ev.get("phase"), ""))
+        elif kind == "layer":
+            layer_events.append(ev)
+            where = f"layer {ev['index']}" if ev["index"] is not None else "an unidentified layer (sent)"
+            for name, log in logs.items():
+                sent = name in ev.get("to", ())
+                log.write(f"{where} (folder {ev['folder'][:12]}): {'sending' if sent else 'present, not sent'}")
+
+    def transfer(sends: dict[str, list[int]]) -> dict[str, tr.WorkerOutcome]:
+        assert head is not None
+        argvs, need = {}, set()
+        for n in sends:
+            w = workers[n]
+            key = ctx.options.get("head_ssh_key") or w.key_file
+            known = ctx.options.get("head_known_hosts") or cluster.known_hosts_file
+            argvs[n] = tr.worker_ssh_argv(w, cluster, key, known, t)
+            need.update(p for p in (key, known if cluster.host_key_checking else None) if p)
+        spec = tr.agent_spec(head, head_host, sends, argvs, sorted(need), t)
+        with tr.ssh_target(head_host, cluster, t.connect_s).connect() as s:
+            ctx.options.setdefault("cleanups", []).append(s.close)
+            try:
+                done = tr.run_agent(s, spec, on_event, ctx.cancel, t)
+            except SSHError as e:
+                raise tr.ShipError(f"the connection to the head failed during the transfer: {e}") from None
+        return tr.outcomes_from(done, layer_events)
+
+    fan = tr.Fanout({a.host for a in actions}, transfer)
+
+    def one(action: Action, log) -> HostResult:
+        t0 = time.monotonic()
+        name = action.host
+        w = workers[name]
+        joined = False
+        try:
+            if head is None:
+                raise HostFailure(head_error or "the head's image is unknown")
+            log.write(f"{head.name} on {head_host.name} is {head.id} ({len(head.diff_ids)} layers)")
+            try:
+                with tr.ssh_target(w, cluster, t.connect_s).connect() as s:
+                    have = tr.probe_worker(s, w.docker_host)
+                    if head.id in have.image_ids:
+                        fan.leave(name)
+                        joined = True
+                        if not have.tagged(head):
+                            tr.tag_and_verify(s, w.docker_host, head)
+                        progress.update(name, completed=0, status="has it", finished=True)
+                        return HostResult(name, "ship", "skipped",
+                                          f"already has {image} ({tr.short(head.id)}): nothing sent",
+                                          data=_data(head, [], 0, time.monotonic() - t0, 0.0))
+            except tr.ShipError as e:
+                raise HostFailure(f"before the transfer: {e}", rc=e.rc) from None
+            send = tr.plan_sends(head, have)
+            log.write(f"lacks {len(send)} of {len(head.diff_ids)} layers: {send}; "
+                      f"{len(head.diff_ids) - len(send)} present")
+            progress.add(name, head.estimate(send), "waiting")
+            logs[name] = log           # the transfer writes its layer decisions here
+            joined = True
+            out = fan.join(name, send, timeout=t.deadline_s + t.load_s + 300)
+            for line in out.tail:
+                log.write(f"[docker load] {line}")
+            if not out.ok:
+                progress.update(name, status="[red]failed[/red]")
+                raise HostFailure(f"transfer from {head_host.name} failed: {out.message}", rc=out.rc,
+                                  tail=out.tail[-10:])
+            try:
+                with tr.ssh_target(w, cluster, t.connect_s).connect() as s:
+                    tr.tag_and_verify(s, w.docker_host, head)
+            except tr.ShipError as e:
+                raise HostFailure(str(e), rc=e.rc) from None
+            secs = time.monotonic() - t0
+            data = _data(head, out.layers_sent, out.bytes, secs, out.stream_s, out.unidentified)
+            progress.update(name, completed=out.bytes, status="[green]verified[/green]", finished=True)
+            return HostResult(name, "ship", "ok",
+                              f"sent {len(out.layers_sent)} of {len(head.diff_ids)} layers, "
+                              f"{_mb(out.bytes)} in {secs:.1f}s ({data['rate_mb_s']} MB/s), "
+                              f"{data['layers_skipped']} present; image {tr.short(head.id)} verified",
+                              data=data)
+        except SSHError as e:
+            progress.update(name, status="[red]failed[/red]")
+            raise HostFailure(f"SSH from the controller: {e}") from None
+        finally:
+            if not joined:
+                fan.leave(name)
+
+    with progress:
+        return run_per_host(actions, ctx, one)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 10_000 else f"{n} bytes"
+
+
+def _data(head, sent: list[int], nbytes: int, seconds: float, stream_s: float, unidentified: int = 0) -> dict:
+    rate = nbytes / stream_s / 1e6 if stream_s > 0 else 0.0
+    return {"image": head.name, "image_id": head.id, "bytes_sent": nbytes, "layers_total": len(head.diff_ids),
+            "layers_sent": len(sent), "layers_skipped": len(head.diff_ids) - len(sent),
+            "layers_unidentified": unidentified, "seconds": round(seconds, 3),
+            "stream_seconds": round(stream_s, 3), "rate_mb_s": round(rate, 2)}
+
+
+STAGE = Stage("ship", plan, apply, "ship the image to every worker, only the layers it lacks")
