@@ -1,19 +1,124 @@
-"""build: the serving image chain on the head's Docker engine (placeholder)."""
+"""build: the serving image, built from its chain (dockerfiles/chains/<engine.chain>.yml) on the head
+node's Docker engine (a Spark builds natively for aarch64), cached per step.
+
+plan() reads the chain and lock definitions (repo data, like the recipe) to list the steps; it never
+contacts an engine nor hashes inputs, so step digests are not known at plan time.
+apply() checks the inputs on this machine (bad input: exit 2, before any engine is contacted), then on
+the head: resolves the base, reuses or builds every step, tags engine.image, writes build-report.json
+to the run record. Options (ctx.options, from `deployctl build`): local, update_lock, prune, no_cache,
+ci, inputs_dir, input_roots, vars.
+"""
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING, Any
+
 from ..plan import Action
-from ._pending import not_implemented
-from .base import Stage
+from .base import HostResult, Stage, run_per_host
+
+if TYPE_CHECKING:
+    from ..deployment import Deployment
+    from ..runrecord import HostLog, RunContext
+
+REPORT_FILE = "build-report.json"
 
 
-def plan(dep):
+def plan(dep: "Deployment") -> tuple[list[Action], str]:
+    from ..imagechain.spec import load_chain
+
     e, head = dep.recipe.engine, dep.cluster.head_host
-    act = Action("build", head.name, "docker-build",
-                 f"build image {e.image} from chain {e.chain} on {head.name}'s engine",
-                 api=f"Docker SDK at {head.ssh_url}: build chain {e.chain} -> {e.image}",
-                 details={"image": e.image, "chain": e.chain})
+    if not e.chain:
+        return [], f"engine.chain is not set: image {e.image} is used as it is"
+    chain = load_chain(e.chain)
+    steps = [{"name": s.name, "kind": s.kind, "parent": chain.parent_of(s), "uses": list(s.uses),
+              "description": s.description,
+              **({"verify": s.verify.expect} if s.verify else {}),
+              **({"patches": len(s.patches)} if s.kind == "patch" else {})} for s in chain.steps]
+    act = Action(
+        "build", head.name, "docker-build",
+        f"build {e.image} from chain {chain.name} ({len(steps)} steps, cached per step) on {head.name}'s engine",
+        api=(f"Docker SDK at {head.ssh_url} (docker -H {head.docker_host} system dial-stdio): per step, "
+             f"inspect deployctl-cache/{chain.name}:<step>-<digest>, build the missing ones, tag {e.image}"),
+        details={"image": e.image, "chain": chain.name, "chain_file": str(chain.chain_file),
+                 "lock_file": str(chain.lock_file), "base": chain.lock.base.image,
+                 "base_digest": chain.lock.base.digest, "inputs_dir": str(chain.roots["inputs"]),
+                 "steps": steps})
     return [act], ""
 
 
-STAGE = Stage("build", plan, not_implemented("build", "image build issue"),
-              "build the serving image, cached per layer, on the head node")
+def apply(dep: "Deployment", actions: list[Action], ctx: "RunContext") -> list[HostResult]:
+    from ..imagechain.spec import check_inputs, load_chain
+
+    opts = ctx.options
+    e = dep.recipe.engine
+    assert e.chain
+    chain = load_chain(e.chain, inputs_dir=opts.get("inputs_dir"), input_roots=opts.get("input_roots"),
+                       var_overrides=opts.get("vars"))
+    notes = check_inputs(chain)        # InputError propagates: exit 2, nothing touched
+
+    def one(action: Action, log: "HostLog") -> HostResult:
+        return _build_on(dep, action, log, ctx, chain, notes)
+    return run_per_host(actions, ctx, one)
+
+
+def _build_on(dep, action, log, ctx, chain, notes) -> HostResult:
+    from ..executors import docker_engine as de
+    from ..imagechain import lock as locks
+    from ..imagechain.builder import ChainBuilder, ChainFailed
+
+    opts, e = ctx.options, dep.recipe.engine
+    head = dep.cluster.host(action.host)
+    where = "local engine" if opts.get("local") else f"{head.name} ({head.ssh_url})"
+    for n in notes:
+        log.write(n)
+    client = de.engine_client(dep.cluster, head, local=bool(opts.get("local")))
+    try:
+        engine = f"{where}: {de.engine_name(client)}"
+        log.write(f"engine {engine}")
+        if opts.get("update_lock"):
+            base, msg = locks.resolve_base(client, chain.lock.base)
+            changed = locks.pin_changed(chain.lock.base, base)
+            chain = locks.write_lock(chain, base)
+            msg += f"; lock {chain.lock_file} {'updated' if changed else 'unchanged'}"
+            log.write(msg)
+            ctx.say(f"  {msg}")
+        builder = ChainBuilder(client, chain, final_tag=e.image, where=engine,
+                               log_for=lambda step: ctx.host_log(head.name, f"build-{step}"),
+                               say=ctx.say, cancel=ctx.cancel, no_cache=bool(opts.get("no_cache")))
+        try:
+            report = builder.build()
+        except ChainFailed as f:
+            _record(ctx, f.report, log)
+            step_log = next((s.log for s in f.report.steps if s.name == f.step), None)
+            return HostResult(head.name, "build", "failed", str(f), tail=f.tail, log_path=step_log,
+                              data={"report": f.report.to_json()})
+        if opts.get("prune"):
+            report.pruned = builder.prune()
+            ctx.say(f"  prune: removed {len(report.pruned)} stale image(s)/tag(s) of chain {chain.name}")
+        report.notes.extend(notes)
+    finally:
+        client.close()
+    _record(ctx, report, log)
+    msg = (f"{e.image} = {report.image_id[:19]}: {len(report.built)} step(s) built, "
+           f"{len(report.reused)} reused in {report.seconds:.1f}s")
+    status = "skipped" if not report.built and not report.tag_changed else "ok"
+    if status == "skipped":
+        msg = f"{e.image} is up to date ({report.image_id[:19]}, all {len(report.reused)} steps reused)"
+    return HostResult(head.name, "build", status, msg, data={"report": report.to_json()})
+
+
+def _record(ctx: "RunContext", report: Any, log: "HostLog") -> None:
+    """The JSON report into the run record; with --ci also a table in the GitHub job summary."""
+    path = ctx.write_json(REPORT_FILE, report.to_json())
+    log.write(f"report: {path}")
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if ctx.options.get("ci") and summary:
+        rows = [f"| {s.name} | {s.kind} | {s.status} | `{s.digest.split(':')[-1][:12]}` | "
+                f"`{s.image_id.split(':')[-1][:12]}` | {s.seconds:.1f}s |" for s in report.steps]
+        with open(summary, "a") as fh:
+            fh.write(f"### deployctl build: {report.image} ({report.status})\n\n"
+                     "| step | kind | status | digest | image | time |\n|---|---|---|---|---|---|\n"
+                     + "\n".join(rows) + "\n\n")
+
+
+STAGE = Stage("build", plan, apply, "build the serving image, cached per layer, on the head node")

@@ -1,0 +1,425 @@
+"""Run an image chain against one Docker engine: per step, reuse the image whose digest matches or
+build it, with the checks that catch real mistakes; tag the last step's image.
+
+Cache: a finished step's image carries labels deployctl.chain/step/digest and the tag
+`deployctl-cache/<chain>:<step>-<digest hex>`. The tag is written last, after the step's checks and
+verification passed, so it means "this digest was built and verified"; lookup is one inspect of that
+tag (labels are inherited by child images, so a label search could return a descendant). A no-op run
+therefore costs one inspect per step plus hashing the inputs.
+
+Checks: inputs exist and have the expected shape (spec.check_inputs, before the engine is contacted);
+a patch step's destinations exist in the image below (a moved module fails naming the patch and the
+path); a verification whose output lacks its marker fails with the output tail and the image is
+removed; a run-copy-out output glob that matches nothing fails naming it.
+"""
+from __future__ import annotations
+
+import json
+import posixpath
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import docker
+
+from .. import schema
+from ..executors import docker_engine as de
+from .context import TarBuilder
+from .digest import file_sha256, hash_tree, step_digest, step_material
+from .spec import InputRef, LoadedChain, StepSpec
+
+CACHE_REPO = "deployctl-cache"
+DOCKERFILE_NAME = ".deployctl.Dockerfile"     # in the context root; never clashes with an input's Dockerfile
+OUT_DIR = "/deployctl/out"
+# Runs in the build container of a run-copy-out step: the step's script in WORKDIR, then every output
+# glob copied to OUT_DIR (a glob matching nothing is an error naming it). Globs arrive as arguments.
+WRAPPER = """#!/bin/sh
+# deployctl run-copy-out: $1 = workdir, $2 = shell for the step script, $3... = output globs
+set -e
+cd "$1"
+sh_="$2"
+shift 2
+"$sh_" -e /deployctl/step.sh
+rm -rf /deployctl/out
+mkdir -p /deployctl/out
+missing=0
+for pat in "$@"; do
+  found=0
+  for f in $pat; do
+    if [ -e "$f" ]; then cp -a "$f" /deployctl/out/; found=1; fi
+  done
+  if [ "$found" = 0 ]; then echo "deployctl: no file matches output pattern $pat (in $PWD)"; missing=1; fi
+done
+[ "$missing" = 0 ]
+echo "deployctl: copied out:"; ls -l /deployctl/out
+"""
+
+
+class StepLog(Protocol):
+    path: Path
+
+    def write(self, text: str) -> None: ...
+    def tail(self, n: int = ...) -> list[str]: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class StepReport:
+    name: str
+    kind: str
+    status: str = "not-run"                 # built | reused | failed | not-run
+    digest: str = ""
+    image_id: str = ""
+    seconds: float = 0.0
+    log: str = ""
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class BuildReport:
+    chain: str
+    engine: str
+    image: str
+    status: str = "running"                 # ok | failed
+    base: dict[str, Any] = field(default_factory=dict)
+    steps: list[StepReport] = field(default_factory=list)
+    seconds: float = 0.0
+    image_id: str = ""
+    tag_changed: bool = False               # the final tag moved (or was created) in this run
+    notes: list[str] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)
+
+    @property
+    def built(self) -> list[str]:
+        return [s.name for s in self.steps if s.status == "built"]
+
+    @property
+    def reused(self) -> list[str]:
+        return [s.name for s in self.steps if s.status == "reused"]
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "steps"}
+        d["seconds"] = round(self.seconds, 3)
+        d["steps"] = [s.to_json() for s in self.steps]
+        d["built"], d["reused"] = self.built, self.reused
+        return d
+
+
+class ChainFailed(Exception):
+    """A step failed; the report says which and how far the chain got."""
+
+    def __init__(self, report: BuildReport, step: str, message: str, tail: list[str]):
+        super().__init__(message)
+        self.report, self.step, self.tail = report, step, tail
+
+
+class _StepError(Exception):
+    def __init__(self, message: str, tail: list[str] | None = None):
+        super().__init__(message)
+        self.tail = tail or []
+
+
+def cache_ref(chain: str, step: str, digest: str) -> str:
+    return f"{CACHE_REPO}/{chain}:{step}-{digest.split(':', 1)[-1]}"
+
+
+def labels_for(chain: str, step: StepSpec, digest: str) -> dict[str, str]:
+    return {"deployctl.chain": chain, "deployctl.step": step.name, "deployctl.kind": step.kind,
+            "deployctl.digest": digest}
+
+
+class ChainBuilder:
+    def __init__(self, client: docker.DockerClient, chain: LoadedChain, *, final_tag: str, where: str,
+                 log_for: Callable[[str], StepLog], say: Callable[[str], None] = lambda s: None,
+                 cancel: threading.Event | None = None, no_cache: bool = False):
+        self.client, self.chain, self.final_tag, self.where = client, chain, final_tag, where
+        self.log_for, self.say, self.cancel, self.no_cache = log_for, say, cancel, no_cache
+        self._hashes: dict[tuple[str, tuple[str, ...]], str] = {}
+        self.current_refs: set[str] = set()
+
+    # -- the chain ----------------------------------------------------------------------------
+    def build(self) -> BuildReport:
+        t0 = time.monotonic()
+        report = BuildReport(self.chain.name, self.where, self.final_tag)
+        report.steps = [StepReport(s.name, s.kind) for s in self.chain.steps]
+        ids: dict[str, str] = {}
+        try:
+            ids["base"] = self._base(report)
+        except (_StepError, de.EngineError) as e:
+            report.status, report.seconds = "failed", time.monotonic() - t0
+            raise ChainFailed(report, "base", str(e), getattr(e, "tail", [])) from None
+        for step, rep in zip(self.chain.steps, report.steps):
+            log = self.log_for(step.name)
+            rep.log = str(log.path)
+            t = time.monotonic()
+            try:
+                log.write(f"== step {step.name} ({step.kind}) on {self.where}")
+                ids[step.name] = self._step(step, ids, rep, log)
+            except Exception as e:   # noqa: BLE001 - any failure of a step is reported with the chain so far
+                if not isinstance(e, (_StepError, de.EngineError)):
+                    e = _StepError(f"{type(e).__name__}: {e}")
+                rep.status, rep.message = "failed", str(e)
+                rep.seconds = time.monotonic() - t
+                log.write(f"FAILED: {e}")
+                tail = getattr(e, "tail", None) or log.tail()
+                log.close()
+                report.status, report.seconds = "failed", time.monotonic() - t0
+                self.say(f"  {step.name}: FAILED after {rep.seconds:.1f}s (log {rep.log})")
+                raise ChainFailed(report, step.name, f"step {step.name}: {e}", tail) from None
+            rep.seconds = time.monotonic() - t
+            log.write(f"== step {step.name}: {rep.status} {rep.image_id} digest {rep.digest} "
+                      f"in {rep.seconds:.1f}s")
+            log.close()
+            short = rep.digest.split(":")[-1][:12]
+            self.say(f"  {step.name}: {rep.status} in {rep.seconds:.1f}s (digest {short})")
+        final = ids[self.chain.steps[-1].name]
+        report.tag_changed = de.image_id(self.client, self.final_tag) != final
+        de.tag_image(self.client, final, self.final_tag)
+        report.image_id, report.status = final, "ok"
+        report.seconds = time.monotonic() - t0
+        return report
+
+    def _base(self, report: BuildReport) -> str:
+        b = self.chain.lock.base
+        ref = f"{de.repository(b.image)}@{b.digest}" if b.digest else b.image
+        iid = de.image_id(self.client, ref)
+        if iid is None:
+            self.say(f"  base image {ref} is not in the engine: pulling it")
+            try:
+                iid = de.pull(self.client, ref, where=self.where)
+            except de.EngineError as e:
+                raise _StepError(f"base image {ref} is not in the engine ({self.where}) and could not be pulled "
+                                 f"({e}). Load it there (`docker save {b.image} | ssh HEAD docker load`) or "
+                                 f"give the engine registry access") from None
+        if not b.digest and b.image_id and b.image_id != iid:
+            report.notes.append(f"base {b.image} is now image {iid[:19]}, the lock recorded {b.image_id[:19]}: "
+                                "every step rebuilds on the new base (run --update-lock to record it)")
+        report.base = {"image": b.image, "ref": ref, "image_id": iid, "digest": b.digest, "source": b.source}
+        return iid
+
+    def _step(self, step: StepSpec, ids: dict[str, str], rep: StepReport, log: StepLog) -> str:
+        if self.cancel is not None and self.cancel.is_set():
+            raise _StepError("cancelled")
+        parent_id = ids[self.chain.parent_of(step)]
+        uses = {u: ids[u] for u in step.uses}
+        if step.kind == "run-copy-out":
+            plan = self._plan_run_copy_out(step, parent_id)
+        elif step.kind == "patch":
+            plan = self._plan_patch(step, parent_id, uses)
+        else:
+            plan = self._plan_docker_build(step, parent_id, uses)
+        digest = step_digest(plan["material"])
+        rep.digest = digest
+        ref = cache_ref(self.chain.name, step.name, digest)
+        self.current_refs.add(ref)
+        if not self.no_cache:
+            cached = self._lookup(ref, digest)
+            if cached:
+                rep.status, rep.image_id = "reused", cached
+                log.write(f"reused {cached} ({ref})")
+                return cached
+        log.write(f"building: digest {digest} (no image {ref})")
+        image = plan["run"](log, digest)
+        de.tag_image(self.client, image, ref)      # last: the tag means built and verified
+        rep.status, rep.image_id = "built", image
+        return image
+
+    def _lookup(self, ref: str, digest: str) -> str | None:
+        try:
+            attrs = self.client.api.inspect_image(ref)
+        except docker.errors.NotFound:
+            return None
+        labels = (attrs.get("Config") or {}).get("Labels") or {}
+        return attrs["Id"] if labels.get("deployctl.digest") == digest else None
+
+    # -- inputs -------------------------------------------------------------------------------
+    def _hash(self, ref: InputRef) -> str:
+        path = self.chain.input_path(ref)
+        key = (str(path), ref.exclude)
+        if key not in self._hashes:
+            self._hashes[key] = hash_tree(path, ref.exclude)
+        return self._hashes[key]
+
+    def _input_material(self, refs: tuple[InputRef, ...]) -> list[tuple[str, str]]:
+        return [(r.target, self._hash(r)) for r in refs]
+
+    def _add_inputs(self, tar: TarBuilder, refs: tuple[InputRef, ...], below: str = "") -> None:
+        for r in refs:
+            tar.add_tree(self.chain.input_path(r), posixpath.join(below, r.target), r.exclude)
+
+    def _render(self, template: str, **extra: Any) -> str:
+        env = self.chain.template_env()
+        return env.get_template(template).render(**self.chain.vars, chain=self.chain.name, **extra)
+
+    # -- docker-build -------------------------------------------------------------------------
+    def _plan_docker_build(self, step: StepSpec, parent_id: str, uses: dict[str, str]) -> dict[str, Any]:
+        if step.dockerfile_input is not None:
+            text = self.chain.input_path(step.dockerfile_input).read_text()
+        else:
+            text = self._render(step.dockerfile, step=step, steps=uses, parent=parent_id)
+        args = {"BASE": parent_id, **step.args}
+        material = step_material(kind=step.kind, chain=self.chain.name, step=step.name, text=text, args=args,
+                                 inputs=self._input_material(step.inputs), parent_id=parent_id, uses=uses,
+                                 extra={"verify": schema.to_dict(step.verify)})
+
+        def run(log: StepLog, digest: str) -> str:
+            tar = TarBuilder()
+            self._add_inputs(tar, step.inputs)
+            marker = _MarkerWatch(step.verify.expect if step.verify and not step.verify.command else None, log)
+            image = self._docker_build(step, tar, text, args, digest, marker.line)
+            if step.verify:
+                self._verify(step, image, log, marker.seen)
+            return image
+        return {"material": material, "run": run}
+
+    def _docker_build(self, step: StepSpec, tar: TarBuilder, text: str, args: dict[str, str], digest: str,
+                      on_line: Callable[[str], None]) -> str:
+        # The labels go in as one LABEL line (the API's `labels` adds one instruction, and with the
+        # legacy builder one container, per label). They name the digest, so they are not hashed.
+        labels = " ".join(f"{json.dumps(k)}={json.dumps(v)}"
+                          for k, v in labels_for(self.chain.name, step, digest).items())
+        tar.add_bytes(DOCKERFILE_NAME, f"{text.rstrip()}\nLABEL {labels}\n".encode())
+        ctx = tar.finish()
+        try:
+            return de.build_image(self.client, ctx, where=self.where, dockerfile=DOCKERFILE_NAME, buildargs=args,
+                                  on_line=on_line, timeout=step.timeout_s, nocache=self.no_cache,
+                                  cancel=self.cancel)
+        except de.BuildError as e:
+            raise _StepError(e.args[0].split(": ", 1)[-1], e.tail) from None
+        finally:
+            ctx.close()
+
+    def _verify(self, step: StepSpec, image: str, log: StepLog, seen_in_build: bool) -> None:
+        v = step.verify
+        assert v is not None
+        if v.command:
+            log.write(f"verify: {' '.join(v.command)} (expect {v.expect!r})")
+            res = de.run_container(self.client, image, v.command, where=self.where, gpus=v.gpus,
+                                   on_line=log.write, timeout=v.timeout_s, cancel=self.cancel,
+                                   labels={"deployctl.chain": self.chain.name, "deployctl.verify": step.name})
+            ok, detail, tail = res.rc == 0 and v.expect in res.output, f"exit code {res.rc}", res.tail
+        else:
+            ok, detail, tail = seen_in_build, "in the build output", log.tail()
+        if ok:
+            log.write(f"verify: found {v.expect!r}")
+            return
+        why = de.remove_image(self.client, image)     # an unverified image must never be reused
+        log.write(f"verify: {v.expect!r} missing ({detail}); image {image} removed" + (f" (not: {why})" if why else ""))
+        what = f"`{' '.join(v.command)}`" if v.command else "the build"
+        raise _StepError(f"verification failed: the output of {what} lacks {v.expect!r} ({detail})", tail)
+
+    # -- patch --------------------------------------------------------------------------------
+    def _plan_patch(self, step: StepSpec, parent_id: str, uses: dict[str, str]) -> dict[str, Any]:
+        pdir = self.chain.roots[step.patches_root] / step.patches_dir
+        patches = []
+        for i, p in enumerate(step.patches, 1):
+            src = pdir / p.file
+            patches.append({"n": i, "file": p.file, "purpose": p.purpose, "src": f"patches/{i}/{Path(p.file).name}",
+                            "dest": posixpath.join(step.target, p.dest), "path": src, "sha": file_sha256(src)})
+        text = self._render(step.dockerfile or self.chain.spec.patch_template, step=step, steps=uses,
+                            parent=parent_id, patches=patches)
+        args = {"BASE": parent_id, **step.args}
+        material = step_material(kind=step.kind, chain=self.chain.name, step=step.name, text=text, args=args,
+                                 inputs=[(p["src"], p["sha"]) for p in patches], parent_id=parent_id, uses=uses)
+
+        def run(log: StepLog, digest: str) -> str:
+            self._check_destinations(step, patches, parent_id, log)
+            tar = TarBuilder()
+            for p in patches:
+                tar.add_tree(p["path"], p["src"], ())
+            return self._docker_build(step, tar, text, args, digest, log.write)
+        return {"material": material, "run": run}
+
+    def _check_destinations(self, step: StepSpec, patches: list[dict[str, Any]], parent_id: str,
+                            log: StepLog) -> None:
+        below = self.chain.parent_of(step)
+        found = de.stat_paths(self.client, parent_id, [p["dest"] for p in patches], where=self.where)
+        bad = [(p, found[p["dest"]]) for p in patches if found[p["dest"]] != "file"]
+        for p in patches:
+            log.write(f"patch {p['n']} {p['file']} -> {p['dest']}: {found[p['dest']]}")
+        if bad:
+            lines = [f"patch {p['n']} ({p['file']}): destination {p['dest']} "
+                     f"{'does not exist' if kind == 'missing' else 'is a ' + kind + ', not a file'}"
+                     for p, kind in bad]
+            raise _StepError(f"{len(bad)} patch destination(s) not found in the image below ({below}, "
+                             f"{parent_id[:19]}): " + "; ".join(lines) + ". The module moved or the tree "
+                             "changed: fix the patch's dest in the chain (or the tree it patches)", lines)
+
+    # -- run-copy-out -------------------------------------------------------------------------
+    def _plan_run_copy_out(self, step: StepSpec, parent_id: str) -> dict[str, Any]:
+        argv = ["/bin/sh", "/deployctl/run.sh", step.workdir, step.shell, *step.outputs]
+        artifact = self._render(self.chain.spec.artifact_template, step=step)
+        material = step_material(kind=step.kind, chain=self.chain.name, step=step.name, text=step.script, args={},
+                                 inputs=self._input_material(step.inputs), parent_id=parent_id, uses={},
+                                 extra={"argv": argv, "wrapper": WRAPPER, "env": step.env, "gpus": step.gpus,
+                                        "artifact": artifact})
+
+        def run(log: StepLog, digest: str) -> str:
+            up = TarBuilder()
+            up.add_bytes("deployctl/run.sh", WRAPPER.encode(), 0o755)
+            up.add_bytes("deployctl/step.sh", step.script.encode(), 0o755)
+            self._add_inputs(up, step.inputs, below=step.workdir)
+            upload = up.finish()
+            log.write(f"run in a container of {parent_id[:19]}: {' '.join(argv)}")
+            with tempfile.TemporaryFile(prefix="deployctl-out-") as out:
+                try:
+                    res = de.run_container(self.client, parent_id, argv, where=self.where, env=step.env,
+                                           gpus=step.gpus, upload=("/", upload), download=OUT_DIR,
+                                           download_to=out, on_line=log.write, timeout=step.timeout_s,
+                                           cancel=self.cancel,
+                                           labels={"deployctl.chain": self.chain.name, "deployctl.run": step.name})
+                finally:
+                    upload.close()
+                if res.rc != 0:
+                    raise _StepError(f"the build script exited {res.rc}", res.tail)
+                out.seek(0)
+                members = de.tar_members(out)
+            files = [(m, data) for m, data in members if m.isfile()]
+            if not files:
+                raise _StepError("the build script produced none of the outputs", log.tail())
+            for m, data in files:
+                log.write(f"output {m.name}: {m.size} bytes")
+            tar = TarBuilder()
+            tar.add_members(members, "")
+            return self._docker_build(step, tar, artifact, {}, digest, log.write)
+        return {"material": material, "run": run}
+
+    # -- prune --------------------------------------------------------------------------------
+    def prune(self) -> list[str]:
+        """After a successful build: remove this chain's images that the build did not use.
+
+        Stale cache entries (other digests: an older patch layer, a previous base...) and dangling
+        leftovers go; the current steps' images stay: they are the layers of the final image (removing
+        them frees nothing) and the cache of the next run.
+        """
+        removed: list[str] = []
+        repo = f"{CACHE_REPO}/{self.chain.name}"
+        images = sorted(self.client.api.images(name=repo), key=lambda i: i.get("Created", 0), reverse=True)
+        for img in images:
+            for tag in img.get("RepoTags") or []:
+                if tag.startswith(repo + ":") and tag not in self.current_refs:
+                    why = de.remove_image(self.client, tag)
+                    removed.append(tag if why is None else f"{tag} (kept: {why})")
+        for img in self.client.api.images(filters={"dangling": True, "label": f"deployctl.chain={self.chain.name}"}):
+            why = de.remove_image(self.client, img["Id"])
+            if why is None:
+                removed.append(img["Id"])
+        return removed
+
+
+class _MarkerWatch:
+    """Passes build output to the log and notes whether a marker appeared in it."""
+
+    def __init__(self, marker: str | None, log: StepLog):
+        self.marker, self.log, self.seen = marker, log, False
+
+    def line(self, text: str) -> None:
+        if self.marker and self.marker in text:
+            self.seen = True
+        self.log.write(text)
