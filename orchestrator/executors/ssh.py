@@ -29,11 +29,14 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Sequence
+from typing import TYPE_CHECKING, BinaryIO, Iterable, Sequence
 
 import paramiko
 
 from ..errors import DeployctlError
+
+if TYPE_CHECKING:
+    from ..inventory import Cluster, Host
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +109,13 @@ class SSHTarget:
     known_hosts_file: str | None = None
     check_host_keys: bool = True
     connect_timeout: float = 10.0     # TCP connect, SSH banner, auth and channel open, each
+
+    @classmethod
+    def for_host(cls, host: "Host", cluster: "Cluster", connect_timeout: float = 10.0) -> "SSHTarget":
+        """The target of an inventory Host, with its Cluster's known_hosts file and host key setting."""
+        return cls(host=host.name, address=host.address, port=host.port, user=host.user,
+                   key_file=host.key_file, known_hosts_file=cluster.known_hosts_file,
+                   check_host_keys=cluster.host_key_checking, connect_timeout=connect_timeout)
 
     def connect(self) -> "SSHSession":
         return SSHSession(self)
