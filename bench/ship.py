@@ -91,14 +91,19 @@ def ship(c: TestCluster) -> tuple[float, dict, dict]:
     return secs, delta(before, counters(c)), per_host
 
 
-def baseline(c: TestCluster) -> tuple[float, dict, list[float]]:
-    """The manual distribution, run on the head: save | ssh load, serially."""
+def baseline(c: TestCluster, tuned: bool) -> tuple[float, dict, list[float]]:
+    """The manual distribution, run on the head: save | ssh load, serially. TUNED: with deployctl's
+    ssh options (AES-GCM first), else plain ssh (OpenSSH's default cipher order) as people type it."""
     inv = load_inventory(c.inventory_path)
     head = inv.head_host
     t = Timeouts()
     steps = []
     for w in inv.workers:
-        ssh = worker_ssh_argv(w, inv, w.key_file, inv.known_hosts_file, t)[:-1]   # without the relay command
+        if tuned:
+            ssh = worker_ssh_argv(w, inv, w.key_file, inv.known_hosts_file, t)[:-1]   # without the relay
+        else:
+            ssh = ["ssh", "-i", w.key_file, "-o", f"UserKnownHostsFile={inv.known_hosts_file}",
+                   "-o", "StrictHostKeyChecking=yes", f"{w.user}@{w.address}"]
         load = shlex.join(["docker", "-H", w.docker_host, "load"])
         steps.append(f"docker -H {shlex.quote(head.docker_host)} save {IMAGE} | {shlex.join(ssh)} {shlex.quote(load)}")
     script = "set -e; " + "; ".join(f"s=$(date +%s.%N); {s} >/dev/null; e=$(date +%s.%N); echo $s $e"
@@ -137,7 +142,9 @@ def main() -> int:
             save_bytes = int(warm.stdout.strip())
 
             clear_workers(c)
-            base_s, base_bytes, base_each = baseline(c)
+            plain_s, _, plain_each = baseline(c, tuned=False)
+            clear_workers(c)
+            base_s, base_bytes, base_each = baseline(c, tuned=True)
             clear_workers(c)
             full_s, full_bytes, full_hosts = ship(c)
             same_s, same_bytes, same_hosts = ship(c)
@@ -148,6 +155,7 @@ def main() -> int:
 
     doc = {
         "image": {"name": IMAGE, "size": size, "save_bytes": save_bytes},
+        "baseline_serial_plain_ssh": {"seconds": round(plain_s, 2), "per_worker_s": [round(x, 2) for x in plain_each]},
         "baseline_serial": {"seconds": round(base_s, 2), "per_worker_s": [round(x, 2) for x in base_each],
                             "bytes": base_bytes},
         "full": {"seconds": round(full_s, 2), "bytes": full_bytes, "deployctl": full_hosts},
@@ -155,20 +163,26 @@ def main() -> int:
         "patch": {"seconds": round(patch_s, 2), "bytes": patch_bytes, "deployctl": patch_hosts,
                   "fraction_of_full": round(patch_bytes["workers_rx"] / full_bytes["workers_rx"], 5)},
         "wall_time_ratio_baseline_over_full": round(base_s / full_s, 2),
+        "wall_time_ratio_plain_baseline_over_full": round(plain_s / full_s, 2),
+        "load_average": os.getloadavg(),
     }
     if a.json:
         print(json.dumps(doc, indent=2))
         return 0
     print(f"image {IMAGE}: {mb(size)} (docker save stream {mb(save_bytes)}), 3 workers")
     print(f"{'run':<34}{'wall s':>8}{'head sent':>14}{'workers got':>14}")
-    rows = [("baseline: save | ssh load, serial", base_s, base_bytes),
+    print(f"{'baseline: plain ssh, serial':<34}{plain_s:>8.1f}")
+    rows = [("baseline: same ssh opts, serial", base_s, base_bytes),
             ("deployctl ship, full", full_s, full_bytes),
             ("deployctl ship, unchanged", same_s, same_bytes),
             ("deployctl ship, patch layer only", patch_s, patch_bytes)]
     for label, s, b in rows:
         print(f"{label:<34}{s:>8.1f}{mb(b['head_tx']):>14}{mb(b['workers_rx']):>14}")
-    print(f"baseline per worker: {', '.join(f'{x:.1f}s' for x in base_each)}")
-    print(f"wall-time ratio baseline / deployctl full: {doc['wall_time_ratio_baseline_over_full']}x")
+    print(f"baseline per worker: plain {', '.join(f'{x:.1f}s' for x in plain_each)}; "
+          f"same opts {', '.join(f'{x:.1f}s' for x in base_each)}")
+    print(f"wall-time ratio baseline / deployctl full: {doc['wall_time_ratio_baseline_over_full']}x "
+          f"(plain-ssh baseline: {doc['wall_time_ratio_plain_baseline_over_full']}x); "
+          f"load average {' '.join(f'{x:.1f}' for x in doc['load_average'])} (2 cores shared by all hosts)")
     print(f"unchanged: {same_bytes['workers_rx']:,} bytes reached the workers (SSH chatter: probes and checks), "
           f"deployctl reports {sum(h['bytes_sent'] for h in same_hosts.values())} image bytes")
     print(f"patch: {doc['patch']['fraction_of_full']:.4%} of the full ship's bytes "

@@ -214,6 +214,9 @@ class Agent:
                 self.abort("deadline", f"the ship did not finish within {self.spec.get('deadline_s')}s")
             if now > self.deadline + 30:
                 os._exit(3)
+            save = self.save
+            if save is not None and save.poll() is None and all(w.dead for w in self.workers):
+                save.kill()                    # nobody left to send to: do not finish a long save
             self.out.emit(ev="p", phase=self.phase, save=self.save_bytes, t=round(now - self.t0, 2),
                           b={w.name: w.bytes for w in self.workers},
                           dead=[w.name for w in self.workers if w.dead])

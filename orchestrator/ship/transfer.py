@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .layers import layers_to_send, present_chains
 
 if TYPE_CHECKING:
-    from ..executors.ssh import SSHSession, SSHTarget
+    from ..executors.ssh import SSHSession
     from ..inventory import Cluster, Host
 
 HERE = Path(__file__).resolve().parent
@@ -43,13 +43,6 @@ class Timeouts:
     deadline_s: float = 7200.0    # the whole transfer (docker save + streams + loads)
     load_s: float = 1800.0        # a worker's docker load after its last byte
     head_silence_s: float = 60.0  # no line from the agent this long: the head is lost
-
-
-def ssh_target(host: "Host", cluster: "Cluster", connect_timeout: float = 10.0) -> "SSHTarget":
-    from ..executors.ssh import SSHTarget
-    return SSHTarget(host=host.name, address=host.address, port=host.port, user=host.user,
-                     key_file=host.key_file, known_hosts_file=cluster.known_hosts_file,
-                     check_host_keys=cluster.host_key_checking, connect_timeout=connect_timeout)
 
 
 def docker_argv(docker_host: str, *args: str) -> list[str]:

@@ -10,6 +10,7 @@ the head too (or `deployctl ship --head-ssh-key/--head-known-hosts`).
 from __future__ import annotations
 
 import shlex
+import threading
 import time
 
 from ..plan import Action
@@ -41,7 +42,7 @@ def _timeouts(options: dict):
 
 
 def apply(dep, actions, ctx):
-    from ..executors.ssh import SSHError
+    from ..executors.ssh import SSHError, SSHTarget
     from ..ship import transfer as tr
     from ..ship.progress import ShipProgress
 
@@ -55,7 +56,7 @@ def apply(dep, actions, ctx):
     head: tr.HeadImage | None = None
     head_error = ""
     try:
-        with tr.ssh_target(head_host, cluster, t.connect_s).connect() as s:
+        with SSHTarget.for_host(head_host, cluster, t.connect_s).connect() as s:
             head = tr.inspect_head(s, image, head_host.docker_host)
     except (SSHError, tr.ShipError) as e:
         head_error = f"head {head_host.name}: {e}"
@@ -86,7 +87,7 @@ def apply(dep, actions, ctx):
             argvs[n] = tr.worker_ssh_argv(w, cluster, key, known, t)
             need.update(p for p in (key, known if cluster.host_key_checking else None) if p)
         spec = tr.agent_spec(head, head_host, sends, argvs, sorted(need), t)
-        with tr.ssh_target(head_host, cluster, t.connect_s).connect() as s:
+        with SSHTarget.for_host(head_host, cluster, t.connect_s).connect() as s:
             ctx.options.setdefault("cleanups", []).append(s.close)
             try:
                 done = tr.run_agent(s, spec, on_event, ctx.cancel, t)
@@ -106,7 +107,7 @@ def apply(dep, actions, ctx):
                 raise HostFailure(head_error or "the head's image is unknown")
             log.write(f"{head.name} on {head_host.name} is {head.id} ({len(head.diff_ids)} layers)")
             try:
-                with tr.ssh_target(w, cluster, t.connect_s).connect() as s:
+                with SSHTarget.for_host(w, cluster, t.connect_s).connect() as s:
                     have = tr.probe_worker(s, w.docker_host)
                     if head.id in have.image_ids:
                         fan.leave(name)
@@ -133,7 +134,7 @@ def apply(dep, actions, ctx):
                 raise HostFailure(f"transfer from {head_host.name} failed: {out.message}", rc=out.rc,
                                   tail=out.tail[-10:])
             try:
-                with tr.ssh_target(w, cluster, t.connect_s).connect() as s:
+                with SSHTarget.for_host(w, cluster, t.connect_s).connect() as s:
                     tr.tag_and_verify(s, w.docker_host, head)
             except tr.ShipError as e:
                 raise HostFailure(str(e), rc=e.rc) from None
@@ -153,7 +154,23 @@ def apply(dep, actions, ctx):
                 fan.leave(name)
 
     with progress:
-        return run_per_host(actions, ctx, one)
+        return _interruptible(lambda: run_per_host(actions, ctx, one), ctx)
+
+
+def _interruptible(fn, ctx) -> list[HostResult]:
+    """Run FN in a thread so that Ctrl-C here cancels the transfer (the agent on the head then stops
+    what it started) instead of waiting for the workers' threads to end on their own."""
+    out: list = []
+    th = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    th.start()
+    try:
+        while th.is_alive():
+            th.join(0.2)
+    except KeyboardInterrupt:
+        ctx.cancel.set()
+        th.join(30)
+        raise
+    return out[0]
 
 
 def _mb(n: int) -> str:
