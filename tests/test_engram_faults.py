@@ -1,0 +1,206 @@
+"""engram-stage under faults: no space (tmpfs), a killed run, corruption, a wrong rank, a broken checkpoint."""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from orchestrator.cli import cli
+from orchestrator.errors import InputError, StageFailed
+from orchestrator.tables import engram_stage as op
+from tests.engram_synth import RECIPE, WEIGHT, Synth
+
+MANIFEST, LOCAL = "engram-manifest.json", "engram-local.json"
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Synth:
+    return Synth(tmp_path_factory.mktemp("small"), [1, 14], [50, 60, 70], 8, 32, 1)
+
+
+@pytest.fixture(scope="module")
+def mid(tmp_path_factory) -> Synth:
+    """~6.5 MB of Engram rows: more than a 2 MB tmpfs holds, 1/8 of it less."""
+    return Synth(tmp_path_factory.mktemp("mid"), [1, 14], [4000, 4000, 4000], 8, 32, 1)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    mnt = tmp_path / "nvme"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def cli_args(s: Synth, ckpt: Path, dest: Path, rank: int, *extra: str) -> list[str]:
+    return ["engram", "stage", "--recipe", RECIPE, *[x for v in s.sets() for x in ("--set", v)],
+            "--checkpoint", str(ckpt), "--dest", str(dest), "--rank", str(rank), *extra]
+
+
+def test_space_checked_before_writing(mid, tiny_fs):
+    dest = tiny_fs / "engram"
+    with pytest.raises(StageFailed, match=r"not enough free space on .*/nvme/engram: need 0\.006[0-9]+ GB \+ "
+                                          r"margin 0\.0 GB, free 0\.00[0-9]+ GB"):
+        op.stage(mid.spec(1, 0), mid.ckpt, dest)
+    assert [p for p in os.listdir(dest) if not p.startswith(".engram-stage.lock")] == []
+
+
+def test_enospc_mid_write_leaves_no_manifest(mid, tiny_fs, monkeypatch):
+    dest = tiny_fs / "engram"
+    assert op.stage(mid.spec(8, 0), mid.ckpt, dest)["status"] == "ok"        # a good staging, 0.8 MB
+    assert (dest / MANIFEST).exists()
+    monkeypatch.setattr(op, "free_bytes", lambda p: 1 << 40)                   # a filesystem that lies
+    with pytest.raises(StageFailed, match="no space left on .*nothing was staged"):
+        op.stage(mid.spec(1, 0), mid.ckpt, dest)                               # 6.5 MB into 2 MB
+    left = os.listdir(dest)
+    assert MANIFEST not in left and LOCAL not in left
+    assert not [p for p in left if p.endswith(".tmp")]
+    monkeypatch.undo()
+    assert op.stage(mid.spec(8, 0), mid.ckpt, dest)["status"] == "ok"        # and it recovers
+    mid.check_dest(dest, 8, 0, "sparse")
+
+
+def test_killed_run_then_rerun_completes(tmp_path):
+    s = Synth(tmp_path, [1, 14], [60000, 60000, 60000], 8, 32, 1, seed=3)     # ~95 MB of rows
+    dest = tmp_path / "d"
+    assert op.stage(s.spec(4, 0, "packed"), s.ckpt, dest)["status"] == "ok"
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(s.spec(1, 0, "packed").to_json()))
+    argv = [sys.executable, "-m", "orchestrator.tables", "engram-stage", "--spec", str(spec_file),
+            "--checkpoint", str(s.ckpt), "--dest", str(dest), "--threads", "1"]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    t0 = time.monotonic()
+    while not any(n.endswith(".tmp") for n in os.listdir(dest)):
+        assert p.poll() is None and time.monotonic() - t0 < 30, "the run ended before writing"
+        time.sleep(0.005)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL
+    left = os.listdir(dest)
+    assert MANIFEST not in left and LOCAL not in left               # removed before any data was touched
+    assert any(n.endswith(".tmp") for n in left)                    # it really died mid-way
+    p = subprocess.run(argv + ["--verify"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout.splitlines()[-1])
+    assert res["status"] == "ok" and res["verified"] and res["fidelity_rows"] > 30
+    assert not [n for n in os.listdir(dest) if n.endswith(".tmp")]
+    m = json.loads((dest / MANIFEST).read_text())
+    assert (m["tp"], m["rank"]) == (1, 0)
+
+
+@pytest.mark.parametrize("layout", ["sparse", "packed"])
+def test_corrupt_byte_caught_by_verify(small, tmp_path, layout):
+    dest = tmp_path / "d"
+    spec = small.spec(4, 2, layout, chunk_bytes=4096)
+    assert op.stage(spec, small.ckpt, dest)["status"] == "ok"
+    lo, hi = small.expected_range(14, 4, 2)
+    if layout == "sparse":
+        name, pos, start = "engram-L14.weight.bin", (lo + 1000) * 32 + 5, lo * 32
+    else:
+        name, pos, start = "engram-L14.packed.bin", 4096 + 1000 * 33 + 5, 4096
+    with open(dest / name, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0xFF]))
+    entry = next(f for f in json.loads((dest / MANIFEST).read_text())["files"] if f["name"] == name)
+    chunk = (pos - start) // entry["chunk_bytes"]
+    assert chunk > 0
+    with pytest.raises(StageFailed, match=rf"{name} chunk {chunk} \(bytes"):
+        op.stage(spec, small.ckpt, dest, verify=True)
+    assert not (dest / MANIFEST).exists()                        # nothing claims the data is good now
+    assert op.stage(spec, small.ckpt, dest)["status"] == "ok"    # the next run restages
+    small.check_dest(dest, 4, 2, layout)
+
+
+def test_verify_through_the_cli_names_file_and_chunk(small, tmp_path):
+    dest = tmp_path / "d"
+    r = CliRunner().invoke(cli, cli_args(small, small.ckpt, dest, 1))
+    assert r.exit_code == 0, r.output
+    lo, _ = small.expected_range(1, 4, 1)
+    with open(dest / "engram-L1.scale.bin", "r+b") as f:
+        f.seek(lo + 3)
+        f.write(b"\xee" if f.read(1) != b"\xee" else b"\x11")
+    r = CliRunner().invoke(cli, cli_args(small, small.ckpt, dest, 1, "--verify"))
+    assert r.exit_code == 1
+    assert "engram-L1.scale.bin chunk 0" in r.output and "sha256 differs" in r.output
+
+
+def test_wrong_rank_refused(small, tmp_path):
+    dest = tmp_path / "d"
+    op.stage(small.spec(4, 1), small.ckpt, dest)
+    m = op.check_rank(dest, small.spec(4, 1).ranges())
+    assert m["rank"] == 1
+    assert op.check_rank(dest, {1: small.expected_range(1, 4, 1), 14: small.expected_range(14, 4, 1)})
+    lo, hi = small.expected_range(1, 4, 2)
+    with pytest.raises(op.RankMismatch, match=rf"layer 1 holds rows \[\d+, \d+\] \(staged for rank 1 of 4\) "
+                                              rf"but this host's rank owns rows \[{lo}, {hi}\]"):
+        op.check_rank(dest, small.spec(4, 2).ranges())
+    # the launch stage reads the two files over SSH: same check through a reader function
+    files = {str(dest / n): (dest / n).read_text() for n in (MANIFEST, LOCAL)}
+    with pytest.raises(op.RankMismatch):
+        op.check_rank(str(dest), small.spec(4, 0).ranges(), read_text=files.get)
+    with pytest.raises(op.RankMismatch, match="no complete Engram staging"):
+        op.check_rank(tmp_path / "empty", small.spec(4, 0).ranges())
+    r = CliRunner().invoke(cli, ["engram", "check-rank", "--recipe", RECIPE,
+                                 *[x for v in small.sets() for x in ("--set", v)],
+                                 "--dest", str(dest), "--rank", "3"])
+    assert r.exit_code == 1 and "restage this host" in r.output
+
+
+@pytest.mark.parametrize("fault", ["missing", "truncated"])
+def test_broken_checkpoint_named_exit_2(small, tmp_path, fault):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(small.ckpt, ckpt)
+    dest = tmp_path / "d"
+    assert CliRunner().invoke(cli, cli_args(small, ckpt, dest, 0)).exit_code == 0
+    shard = ckpt / small.tensors[WEIGHT.format(layer=14)].file.name
+    if fault == "missing":
+        shard.unlink()
+    else:
+        os.truncate(shard, shard.stat().st_size - 100)
+    r = CliRunner().invoke(cli, cli_args(small, ckpt, dest, 0))
+    assert r.exit_code == 2, r.output
+    assert shard.name in r.output and ("missing" in r.output or "truncated" in r.output)
+    assert (dest / MANIFEST).exists()               # bad input: the good staging is left alone
+    # the host-side entry point says the same, as JSON naming the file
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(small.spec(4, 0).to_json()))
+    p = subprocess.run([sys.executable, "-m", "orchestrator.tables", "engram-stage", "--spec", str(spec_file),
+                        "--checkpoint", str(ckpt), "--dest", str(dest)], capture_output=True, text=True)
+    assert p.returncode == 2
+    res = json.loads(p.stdout.splitlines()[-1])
+    assert res["status"] == "failed" and res["file"] == str(shard)
+
+
+def test_geometry_mismatch_is_input_error(small, tmp_path):
+    spec = op.Spec.from_json({**small.spec(4, 0).to_json(),
+                              "geometry": {**small.spec(4, 0).to_json()["geometry"], "vocab_per_order": [50, 60, 200]}})
+    with pytest.raises(InputError, match="check engram.geometry"):
+        op.stage(spec, small.ckpt, tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def test_second_stager_on_the_same_folder_is_refused(small, tmp_path):
+    dest = tmp_path / "d"
+    dest.mkdir()
+    fd = os.open(dest / ".engram-stage.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(StageFailed, match="another engram-stage is running"):
+            op.stage(small.spec(4, 0), small.ckpt, dest)
+    finally:
+        os.close(fd)
