@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,8 @@ def test_plan_spark_names_the_file_and_rtx_writes_none():
     st = build_plan(load_deployment(REPO / "inventories/spark1.yml"), only=("write-ple",)).stage("write-ple")
     (a,) = st.actions
     assert a.details["file"].endswith("/ple/ple_table_320001446x160_F8_E4M3_51200231360B.bin")
-    assert a.command[2:4] == ("ple-write", "--spec") and "--checkpoint" in a.command
+    assert a.command[:4] == ("timeout", "-k", "30", str(600 + 51_200_231_360 // 20_000_000))
+    assert a.command[6:8] == ("ple-write", "--spec") and "--checkpoint" in a.command
     assert a.details["playbook"] == "playbooks/write-ple.yml"
     st = build_plan(load_deployment(REPO / "inventories/rtx1.yml"), only=("write-ple",)).stage("write-ple")
     (a,) = st.actions
@@ -90,7 +90,8 @@ def test_cli_spec_and_vars(tmp_path):
     assert r.exit_code == 0, r.output
     v = json.loads(r.output)
     assert v["tables_pyz"] == str(pyz) and set(v["ple_hosts"]) == {"spark1"}
-    assert v["ple_hosts"]["spark1"]["argv"][:3] == ["python3", v["ple_hosts"]["spark1"]["pyz"], "ple-write"]
+    job = v["ple_hosts"]["spark1"]
+    assert job["argv"][4:7] == ["python3", job["pyz"], "ple-write"] and job["timeout_s"] == 3160
 
 
 # -- through Ansible on a test-cluster host ------------------------------------------------------

@@ -194,22 +194,43 @@ def test_verify_finds_a_corrupted_byte_and_rewrites(ckpt, tmp_path):
     assert f.read_bytes() == expected_bytes(plans)
 
 
-def test_enospc_leaves_no_table_and_no_manifest(ckpt, tmp_path):
+@pytest.fixture
+def small_fs(tmp_path):
+    """small_fs(kib) -> a tmpfs of that size (ENOSPC on cue), unmounted at teardown."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
+    mounts = []
+
+    def mount(kib: int) -> Path:
+        d = tmp_path / f"small{len(mounts)}"
+        d.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "dctl-ple-test", str(d)], check=True)
+        mounts.append(d)
+        return d
+    yield mount
+    for d in mounts:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def test_enospc_leaves_no_table_and_no_manifest(ckpt, small_fs):
     spec, ck, _ = ckpt
-    small = tmp_path / "small"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "dctl-ple-test", str(small)], check=True)
-    try:
-        for prealloc in (True, False):            # refused at fallocate / mid-write without it
-            dest = small / "ple"
-            with pytest.raises(P.WriteFailed) as e:
-                write(spec, ck, dest, prealloc=prealloc)
-            assert "no space left" in str(e.value) and "339,840 bytes" in str(e.value)
-            assert os.listdir(dest) == [], (prealloc, os.listdir(dest))
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
+    small = small_fs(200)
+    for prealloc in (True, False):            # refused at fallocate / mid-write without it
+        dest = small / "ple"
+        with pytest.raises(P.WriteFailed) as e:
+            write(spec, ck, dest, prealloc=prealloc)
+        assert "no space left" in str(e.value) and "339,840 bytes" in str(e.value)
+        assert os.listdir(dest) == [], (prealloc, os.listdir(dest))
+
+
+def test_old_table_removed_first_when_both_do_not_fit(ckpt, small_fs):
+    spec, ck, plans = ckpt
+    dest = small_fs(520) / "ple"
+    f = Path(write(spec, ck, dest).data["file"])          # 339,840 bytes: two do not fit
+    os.utime(next(ck.glob("*.safetensors")))              # a new checkpoint revision
+    out = write(spec, ck, dest)
+    assert out.status == "rewritten" and out.data["removed"] == [f.name], out
+    assert f.read_bytes() == expected_bytes(plans)
 
 
 def test_missing_shard_is_named(ckpt, tmp_path):
@@ -246,7 +267,7 @@ def test_readback_mismatch_fails_and_leaves_nothing(ckpt, tmp_path, monkeypatch)
     spec, ck, _ = ckpt
     real = bulkcopy.copy_range
 
-    def off_by_one_row(src_fd, src_off, dst_fd, dst_off, length, chunk=64 << 20):
+    def off_by_one_row(src_fd, src_off, dst_fd, dst_off, length, chunk):
         real(src_fd, src_off + 160 if dst_off == 0 else src_off, dst_fd, dst_off, length, chunk)
     monkeypatch.setattr(bulkcopy, "copy_range", off_by_one_row)
     with pytest.raises(P.WriteFailed, match="read-back check: row 0"):

@@ -13,6 +13,7 @@ against ple.min_host_ram_gb and fails the host when it is too low.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -21,12 +22,14 @@ from ..recipe import Recipe, digest_of
 from ..tables.ple_write import SPEC_FORMAT, parse_spec
 from ..tables.geometry import total_rows
 from .base import HostFailure, HostResult, Stage, run_per_host
+from .stage_engram import PYZ_NAME, WORK_SUBDIR, host_python   # the same zipapp, folder, python
 
 STAGE_NAME = "write-ple"
 PLAYBOOK = "write-ple.yml"
-WORK_SUBDIR = ".deployctl"               # below the host's nvme_dir: zipapp and spec
-TIMEOUT_S = 4 * 3600                     # 51.2 GB even at 10 MB/s would not finish; 4 h bounds it
-RAM_CHECK_TIMEOUT_S = 120
+SPEC_NAME = "ple-spec.json"
+MIN_RATE = 20e6                          # bytes/s assumed when sizing the per-host timeout
+BASE_TIMEOUT_S = 600                     # the no-op, the RAM check, python start, read-back
+KILL_GRACE_S = 30
 
 
 def spec_for(recipe: Recipe) -> dict[str, Any]:
@@ -46,21 +49,23 @@ def spec_for(recipe: Recipe) -> dict[str, Any]:
     return doc
 
 
-def work_dir(dep, host) -> str:
-    return str(PurePosixPath(host.nvme_dir) / WORK_SUBDIR)
-
-
 def host_job(dep, host, spec: dict[str, Any], verify: bool = False) -> dict[str, Any]:
-    """What the playbook does on one host: paths, the spec and the op's argv."""
-    wd = PurePosixPath(work_dir(dep, host))
-    pyz, spec_path = str(wd / "deployctl-tables.pyz"), str(wd / "ple-spec.json")
-    argv = ["python3", pyz, "ple-write", "--spec", spec_path, "--host", host.name]
+    """What the playbook does on one host: paths, the spec and the op's argv. The op runs under
+    coreutils `timeout` on the host, so an overrun is killed there, not only given up on here."""
+    wd = PurePosixPath(host.nvme_dir) / WORK_SUBDIR
+    pyz, spec_path = str(wd / PYZ_NAME), str(wd / SPEC_NAME)
+    op = [host_python(host), pyz, "ple-write", "--spec", spec_path, "--host", host.name]
+    nbytes = 0
     if spec["placement"] == "nvme":
-        argv += ["--checkpoint", dep.checkpoint_dir(host), "--dest", dep.ple_dir(host)]
+        op += ["--checkpoint", dep.checkpoint_dir(host), "--dest", dep.ple_dir(host)]
+        table = parse_spec(spec)
+        nbytes = total_rows(table.geometry) * table.row_bytes
     if verify:
-        argv.append("--verify")
+        op.append("--verify")
+    timeout_s = int(BASE_TIMEOUT_S + nbytes * (2 if verify else 1) / MIN_RATE)
+    argv = ["timeout", "-k", str(KILL_GRACE_S), str(timeout_s), *op]
     return {"work_dir": str(wd), "pyz": pyz, "spec_path": spec_path, "spec": spec, "argv": argv,
-            "timeout_s": TIMEOUT_S if spec["placement"] == "nvme" else RAM_CHECK_TIMEOUT_S}
+            "timeout_s": timeout_s}
 
 
 def playbook_vars(dep, pyz: str | Path, hosts=None, verify: bool = False) -> dict[str, Any]:
@@ -99,11 +104,13 @@ def plan(dep):
     return acts, ""
 
 
-def result_from(host: str, res: Any) -> HostResult | str:
+def result_from(host: str, res: Any, timeout_s: int) -> HostResult | str:
     """A playbook host result (executors.ansible.PlaybookHostResult) -> this stage's HostResult."""
     doc = res.result_json or {}
     if not res.ok:
         msg = doc.get("error") or res.msg
+        if res.rc in (124, 137) and not doc.get("error"):
+            msg = f"ple-write did not finish within {timeout_s} s on the host and was killed"
         raise HostFailure(f"{msg}" + (f" (task: {res.failed_task})" if res.failed_task else ""),
                           rc=res.rc, tail=res.stdout_tail)
     status = doc.get("status")
@@ -124,15 +131,18 @@ def apply(dep, actions, ctx):
     from ..paths import PLAYBOOKS_DIR
     from ..tables import bundle
 
-    pyz = bundle.build(ctx.run_dir)
+    pyz = bundle.build(ctx.run_dir / "bundle")
     verify = bool(ctx.options.get("verify"))
     hosts = [dep.cluster.host(a.host) for a in actions]
     extravars = playbook_vars(dep, pyz, hosts, verify)
-    ctx.write_json(f"{STAGE_NAME}-vars.json", extravars)     # ops can re-run it by hand with -e @
+    vars_path = ctx.write_json(f"{STAGE_NAME}-vars.json", extravars)   # ops can re-run it with -e @
     timeout = max(j["timeout_s"] for j in extravars["ple_hosts"].values()) + 300
 
     def one(action, log):
-        log.write(f"$ {' '.join(extravars['ple_hosts'][action.host]['argv'])}")
+        job = extravars["ple_hosts"][action.host]
+        log.write(f"$ {shlex.join(job['argv'])}")
+        log.write(f"(ansible-playbook -i {dep.cluster.file} {PLAYBOOKS_DIR / PLAYBOOK} -e @{vars_path} "
+                  f"--limit {action.host})")
         results = run_playbook(PLAYBOOKS_DIR / PLAYBOOK, dep.cluster.file, limit=[action.host],
                                extravars=extravars,
                                artifact_dir=ctx.run_dir / "ansible" / STAGE_NAME / action.host,
@@ -142,7 +152,7 @@ def apply(dep, actions, ctx):
         res = results[action.host]
         if res.result_json:
             log.write("result: " + json.dumps(res.result_json))
-        return result_from(action.host, res)
+        return result_from(action.host, res, job["timeout_s"])
 
     return run_per_host(actions, ctx, one)
 

@@ -38,6 +38,7 @@ CHECKSUM = "sha256"
 CHUNK_BYTES = 64 * 1024 * 1024         # checksum granularity and writeback unit
 WINDOW = 4                             # chunks in flight before the oldest is synced and dropped
 HASH_BUF = 8 * 1024 * 1024             # per hash worker
+COPY_CALL = 16 * 1024 * 1024          # bytes per copy_file_range call
 FOLIO_ALIGN = 4 * 1024 * 1024          # source ranges are dropped widened to this (large folios)
 
 _SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
@@ -262,6 +263,8 @@ def copy_segments(dst_fd: int, segments: list[Segment], *, chunk_bytes: int = CH
     measure of what hashing costs). The destination is fdatasync'ed at the end.
     Raises OSError (ENOSPC included) with the destination left as it is: the caller removes it.
     """
+    if chunk_bytes < 4096 or window < 1:
+        raise ValueError(f"chunk_bytes must be >= 4096 and window >= 1 (got {chunk_bytes}, {window})")
     segments = merge_adjacent(segments)
     total = sum(s.length for s in segments)
     t0 = time.monotonic()
@@ -289,8 +292,8 @@ def copy_segments(dst_fd: int, segments: list[Segment], *, chunk_bytes: int = CH
 
     try:
         for pieces in chunk_pieces(segments, chunk_bytes):
-            for p in pieces:
-                copy_range(srcs.fd(p.src), p.src_off, dst_fd, p.dst_off, p.length)
+            for p in pieces:   # copy_file_range in COPY_CALL steps (its pread fallback's buffer)
+                copy_range(srcs.fd(p.src), p.src_off, dst_fd, p.dst_off, p.length, COPY_CALL)
             for off, length in _dst_spans(pieces):
                 sync_range(dst_fd, off, length, wait=False)
             fut = hasher.submit([(srcs.fd(p.src), p.src_off, p.length) for p in pieces]) if checksums else None

@@ -477,6 +477,8 @@ def write_table(spec: PleTableSpec, checkpoint: str | Path, dest: str | Path, *,
         existed = final.exists()
         _log(f"ple-write: writing {name} ({total / 1e9:.2f} GB, {src.rows:,} rows) to {dest}: {why}", quiet)
         (dest / MANIFEST_NAME).unlink(missing_ok=True)   # the manifest is removed first, written last
+        fsync_dir(dest)
+        removed += _make_room(dest, spec, total, quiet)
         tmp = dest / f".{name}.{os.getpid()}.tmp"
         try:
             res = _write_new(tmp, src, total, prealloc, chunk_bytes, quiet, dest, name)
@@ -513,6 +515,24 @@ def write_table(spec: PleTableSpec, checkpoint: str | Path, dest: str | Path, *,
             "chunks": len(res.chunks), "chunk_bytes": res.chunk_bytes})
     finally:
         lock.close()
+
+
+def _make_room(dest: Path, spec: PleTableSpec, total: int, quiet: bool) -> list[str]:
+    """The new file is written beside the old one and renamed over it. When the folder's
+    filesystem cannot hold both, the tables being replaced (invalid by now, their manifest gone)
+    are removed first: better than failing for want of the space they hold."""
+    st = os.statvfs(dest)
+    free = st.f_bavail * st.f_frsize
+    if free >= total:
+        return []
+    old = _matching(dest, spec.file_glob)
+    held = sum(p.stat().st_blocks * 512 for p in old)
+    if not old or free + held < total:
+        return []                   # fallocate will refuse with the figures
+    _log(f"ple-write: {free:,} bytes free, {total:,} needed: removing the replaced table(s) first", quiet)
+    out = _remove(old)
+    fsync_dir(dest)
+    return out
 
 
 def _matching(dest: Path, pattern: str) -> list[Path]:
@@ -566,6 +586,8 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     try:
         spec = load_spec(a.spec)
+        if a.chunk_mib < 1:
+            raise InputError(f"must be >= 1, got {a.chunk_mib}", key="--chunk-mib")
         if spec.placement == "nvme" and not (a.checkpoint and a.dest):
             raise InputError("placement nvme needs --checkpoint and --dest", key="--checkpoint")
         out = write_table(spec, a.checkpoint or "", a.dest or "", verify=a.verify, host=a.host,
