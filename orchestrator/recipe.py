@@ -62,10 +62,23 @@ class ModelSpec:
     revision: str = "main"
     checkpoint_gb: float = 0.0           # whole checkpoint, decimal GB
     checkpoint_dir: str = ""             # below the host's model_cache; default HF cache layout
+    # sync-model: "head" pushes the head's copy to every worker (rsync, head -> worker);
+    # "shared" verifies that every node sees the same mounted copy (NFS ...) and copies nothing.
+    source: Literal["head", "shared"] = "head"
+    shared_path: str = ""                # source shared: the mount point of the shared filesystem,
+                                         # the same on every node; the checkpoint must be on it
     params_b: float = 0.0
     active_params_b: float = 0.0
     kv_bytes_per_token: int = 0
     max_context: int = 0
+
+    def validate(self, path: str, file: str) -> None:
+        if self.shared_path and not self.shared_path.startswith("/"):
+            raise InputError(f"must be an absolute path (the mount point on every node), got "
+                             f"{self.shared_path!r}", file=file, key=f"{path}.shared_path")
+        if self.shared_path and self.source != "shared":
+            raise InputError("shared_path is only used with source: shared", file=file,
+                             key=f"{path}.shared_path")
 
 
 @dataclass(frozen=True)

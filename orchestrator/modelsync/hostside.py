@@ -1,0 +1,409 @@
+"""Host-side half of sync-model: manifests, verification, mount facts. Standard library only.
+
+This file is sent to a host over SSH and run there with the host's python3 (see remote.py:
+`python3 -c BOOTSTRAP N OP ARGS`, the first N bytes of stdin are this source, the rest is the
+operation's input). It writes nothing on the host except its hash cache and, when asked, a marker.
+
+  manifest --root DIR --cache FILE [--rehash] [--marker NAME=NONCE] [--require PATH]...
+      The checkpoint's files (relative path, size, sha256), symlinks followed (an HF snapshot's
+      links into ../../blobs are read through). Prints one JSON object.
+  verify --root DIR --cache FILE [--sizes-only] [--rehash] [--marker NAME] [--clean]   (stdin: a manifest)
+      Which of the manifest's files are missing or differ here, extra files, free space on the
+      filesystem that would receive them, rsync present. Prints one JSON object. --clean: when
+      complete, remove rsync's leftovers (partial-dir, temp files of manifest files).
+  unmark --root DIR --marker NAME
+      Remove a marker written by `manifest --marker`.
+
+Hash cache: FILE maps a relative path to [size, mtime_ns, ctime_ns, inode, sha256] of the file it
+was hashed from; a file is re-hashed only when one of those changed (ctime: a rewrite that restored
+the mtime still shows). Names starting with `.deployctl` are ours (partial-dir, markers): never listed.
+Progress goes to stderr as `progress HASHED TOTAL` lines; errors exit 3 with one line on stderr.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+# How the controller starts this file: `python3 -c BOOTSTRAP N OP ARGS`, this source as the first
+# N bytes of stdin (nothing is installed on the host), the operation's input after it.
+BOOTSTRAP = ("import sys;n=int(sys.argv.pop(1));"
+             "exec(compile(sys.stdin.buffer.read(n),'deployctl-modelsync','exec'))")
+OURS = ".deployctl"                   # prefix of names we create inside a checkpoint folder
+PARTIAL_DIR = ".deployctl-rsync-partial"   # rsync --partial-dir (rsync.py uses this name)
+RSYNC_TEMP = re.compile(r"^\.(.+)\.[A-Za-z0-9]{6}$")   # rsync's temp name for NAME
+CHUNK = 8 * 1024 * 1024
+CACHE_VERSION = 1
+PROGRESS_EVERY_S = 2.0
+
+
+class Fail(Exception):
+    """A problem the operator must fix; printed as one line, exit 3."""
+
+
+# -- walking and hashing -------------------------------------------------------------------------
+
+def walk(root: str) -> tuple[dict[str, os.stat_result], list[str]]:
+    """Relative path -> stat (links followed) of every file below ROOT; and broken links."""
+    files: dict[str, os.stat_result] = {}
+    broken: list[str] = []
+    seen: set[tuple[int, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen:       # a link loop: do not descend twice
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(OURS))
+        for name in sorted(filenames):
+            if name.startswith(OURS):
+                continue
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root)
+            try:
+                fst = os.stat(full)
+            except FileNotFoundError:
+                broken.append(f"{rel} -> {os.readlink(full)}" if os.path.islink(full) else rel)
+                continue
+            if os.path.isfile(full):
+                files[rel] = fst
+    return files, broken
+
+
+def stat_key(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def sha256_file(path: str, on_bytes) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])                    # releases the GIL: threads hash in parallel
+            on_bytes(n)
+    return h.hexdigest()
+
+
+class HashCache:
+    """rel -> [size, mtime_ns, ctime_ns, ino, sha256], for one checkpoint root."""
+
+    def __init__(self, path: str, root: str, ignore: bool):
+        self.path, self.root = path, os.path.realpath(root)
+        self.entries: dict[str, list] = {}
+        if not ignore:
+            try:
+                with open(path) as f:
+                    doc = json.load(f)
+                if doc.get("version") == CACHE_VERSION and doc.get("root") == self.root:
+                    self.entries = doc.get("files", {})
+            except (OSError, ValueError):
+                pass
+
+    def get(self, rel: str, st: os.stat_result) -> str | None:
+        e = self.entries.get(rel)
+        return e[4] if e and e[:4] == stat_key(st) else None
+
+    def put(self, rel: str, st: os.stat_result, sha: str) -> None:
+        self.entries[rel] = stat_key(st) + [sha]
+
+    def save(self, keep: set[str]) -> None:
+        """Atomically (temp, fsync, rename); only entries for files that still exist. Best effort:
+        a cache that cannot be written costs a re-hash next time, not this run."""
+        doc = {"version": CACHE_VERSION, "root": self.root,
+               "files": {k: v for k, v in self.entries.items() if k in keep}}
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            print(f"warning: hash cache {self.path} not written: {e}", file=sys.stderr, flush=True)
+
+
+def hash_files(root: str, todo: dict[str, os.stat_result], cache: HashCache) -> tuple[dict[str, str], int]:
+    """sha256 of each file in TODO (from the cache where its stat is unchanged); bytes hashed."""
+    out: dict[str, str] = {}
+    need = []
+    for rel, st in todo.items():
+        sha = cache.get(rel, st)
+        if sha:
+            out[rel] = sha
+        else:
+            need.append(rel)
+    total = sum(todo[r].st_size for r in need)
+    done = [0]
+    lock = threading.Lock()
+    last = [time.monotonic()]
+
+    def on_bytes(n: int) -> None:
+        with lock:
+            done[0] += n
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_EVERY_S:
+                last[0] = now
+                print(f"progress {done[0]} {total}", file=sys.stderr, flush=True)
+
+    def one(rel: str) -> tuple[str, str]:
+        return rel, sha256_file(os.path.join(root, rel), on_bytes)
+
+    # Big files first so the threads finish together; a few threads saturate NVMe or NFS.
+    need.sort(key=lambda r: -todo[r].st_size)
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(need)))) as pool:
+        for rel, sha in pool.map(one, need):
+            # The stat from before hashing: a file changed while being read is re-hashed next time.
+            cache.put(rel, todo[rel], sha)
+            out[rel] = sha
+    return out, total
+
+
+# -- facts about where the files live ------------------------------------------------------------
+
+def nearest_existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def free_bytes(path: str) -> tuple[str, int]:
+    """Like `df -B1 --output=avail` of the nearest existing parent (f_bavail: what non-root gets)."""
+    p = nearest_existing(path)
+    st = os.statvfs(p)
+    return p, st.f_bavail * st.f_frsize
+
+
+def _unescape(s: str) -> str:
+    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def mount_of(path: str) -> dict:
+    """The mount holding PATH (nearest existing parent), from /proc/self/mountinfo: the last
+    (topmost) entry whose mount point is the longest prefix of the real path."""
+    real = os.path.realpath(nearest_existing(path))
+    best: dict = {}
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        a, b = left.split(), right.split()
+        if len(a) < 5 or len(b) < 2:
+            continue
+        target = _unescape(a[4])
+        inside = real == target or real.startswith(target.rstrip("/") + "/")
+        if inside and len(target) >= len(best.get("target", "")):
+            best = {"target": target, "fsroot": _unescape(a[3]), "devno": a[2],
+                    "fstype": b[0], "source": _unescape(b[1])}
+    if best:
+        rel = os.path.relpath(real, best["target"])
+        best["path_in_fs"] = os.path.normpath(os.path.join(best["fsroot"], rel))
+    try:
+        best["fsid"] = str(os.statvfs(real).f_fsid)
+    except (OSError, AttributeError):
+        pass
+    best["realpath"] = real
+    return best
+
+
+# -- operations ----------------------------------------------------------------------------------
+
+def _marker_path(root: str, name: str) -> str:
+    if not name.startswith(OURS) or "/" in name:
+        raise Fail(f"bad marker name {name!r}")
+    return os.path.join(root, name)
+
+
+def _no_root(root: str) -> Fail:
+    """The checkpoint folder is missing: say what an HF cache here does have."""
+    msg = f"no checkpoint folder {root}"
+    snaps = os.path.dirname(root.rstrip("/"))
+    if os.path.basename(snaps) == "snapshots":
+        repo = os.path.dirname(snaps)
+        refs = {}
+        try:
+            for name in sorted(os.listdir(os.path.join(repo, "refs"))):
+                with open(os.path.join(repo, "refs", name)) as f:
+                    refs[name] = f.read().strip()
+        except OSError:
+            pass
+        try:
+            have = sorted(os.listdir(snaps))
+        except OSError:
+            have = []
+        if refs:
+            msg += "; refs here: " + ", ".join(f"{k} -> {v}" for k, v in refs.items())
+        if have:
+            msg += "; snapshots here: " + ", ".join(have[:5])
+        if refs or have:
+            msg += " (pin model.revision to one of these commits)"
+    return Fail(msg)
+
+
+def op_manifest(args: dict) -> dict:
+    root = args["root"]
+    t0 = time.monotonic()
+    missing_req = [p for p in args["require"] if not os.access(p, os.R_OK)]
+    if not os.path.isdir(root):
+        raise _no_root(root)
+    files, broken = walk(root)
+    if broken:
+        raise Fail(f"broken links in {root} (an unfinished download?): " + ", ".join(broken[:5]))
+    if not files:
+        raise Fail(f"{root} holds no files")
+    cache = HashCache(args["cache"], root, args["rehash"])
+    shas, hashed = hash_files(root, files, cache)
+    cache.save(set(files))
+    out = {"root": root, "files": [[rel, files[rel].st_size, shas[rel]] for rel in sorted(files)],
+           "hashed_bytes": hashed, "seconds": round(time.monotonic() - t0, 3),
+           "mount": mount_of(root), "missing_required": missing_req,
+           "rsync": shutil.which("rsync"), "ssh": shutil.which("ssh")}
+    if args["marker"]:
+        name, _, nonce = args["marker"].partition("=")
+        path = _marker_path(root, name)
+        try:
+            with open(path + ".tmp", "w") as f:
+                f.write(nonce)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            raise Fail(f"cannot write the shared-storage marker {path}: {e}")
+    return out
+
+
+def op_verify(args: dict, manifest: dict) -> dict:
+    root = args["root"]
+    t0 = time.monotonic()
+    avail_path, avail = free_bytes(root)
+    out = {"root": root, "exists": os.path.isdir(root), "avail_path": avail_path, "avail_bytes": avail,
+           "mount": mount_of(root), "rsync": shutil.which("rsync"), "missing": [], "differ": [],
+           "ok": 0, "extra": [], "hashed_bytes": 0, "marker": None}
+    want = {rel: (size, sha) for rel, size, sha in manifest["files"]}
+    if args["marker"]:
+        try:
+            with open(_marker_path(root, args["marker"])) as f:
+                out["marker"] = f.read()
+        except OSError:
+            pass
+    if not out["exists"]:
+        out["missing"] = sorted(want)
+        out["seconds"] = round(time.monotonic() - t0, 3)
+        return out
+    have, broken = walk(root)
+    out["extra"] = sorted(set(have) - set(want)) + [b for b in broken if b.split(" -> ")[0] not in want]
+    same_size = {}
+    for rel, (size, _sha) in sorted(want.items()):
+        st = have.get(rel)
+        if st is None:
+            out["missing"].append(rel)
+        elif st.st_size != size:
+            out["differ"].append([rel, f"size {st.st_size} != {size}"])
+        else:
+            same_size[rel] = st
+    if args["sizes_only"]:
+        out["ok"] = len(same_size)
+    else:
+        cache = HashCache(args["cache"], root, args["rehash"])
+        shas, out["hashed_bytes"] = hash_files(root, same_size, cache)
+        cache.save(set(have))
+        for rel in sorted(same_size):
+            if shas[rel] == want[rel][1]:
+                out["ok"] += 1
+            else:
+                out["differ"].append([rel, f"sha256 {shas[rel][:12]}... != {want[rel][1][:12]}..."])
+    if args["clean"] and not out["missing"] and not out["differ"]:
+        out["cleaned"] = clean(root, want, out["extra"])
+        out["extra"] = [e for e in out["extra"] if e not in out["cleaned"]]
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    return out
+
+
+def clean(root: str, want: dict, extra: list[str]) -> list[str]:
+    """After a complete copy: drop rsync's leftovers, i.e. the partial-dir and the temp files of a
+    killed receiver (`.NAME.XXXXXX` next to a manifest file NAME). Nothing else is touched."""
+    removed = []
+    partial = os.path.join(root, PARTIAL_DIR)
+    if os.path.isdir(partial):
+        shutil.rmtree(partial, ignore_errors=True)
+        removed.append(PARTIAL_DIR)
+    for rel in extra:
+        d, name = os.path.split(rel)
+        m = RSYNC_TEMP.match(name)
+        if m and os.path.join(d, m.group(1)) in want:
+            try:
+                os.unlink(os.path.join(root, rel))
+                removed.append(rel)
+            except OSError:
+                pass
+    return removed
+
+
+def op_unmark(args: dict) -> dict:
+    path = _marker_path(args["root"], args["marker"])
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return {"removed": path}
+
+
+def parse(argv: list[str]) -> dict:
+    if not argv or argv[0] not in ("manifest", "verify", "unmark"):
+        raise Fail("usage: {manifest|verify|unmark} --root DIR ...")
+    args = {"op": argv[0], "root": "", "cache": "", "rehash": False, "sizes_only": False, "marker": "",
+            "require": [], "clean": False}
+    it = iter(argv[1:])
+    for a in it:
+        if a in ("--root", "--cache", "--marker"):
+            args[a[2:]] = next(it)
+        elif a == "--require":
+            args["require"].append(next(it))
+        elif a in ("--rehash", "--sizes-only", "--clean"):
+            args[a[2:].replace("-", "_")] = True
+        else:
+            raise Fail(f"unknown argument {a!r}")
+    if not args["root"]:
+        raise Fail("--root is required")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = parse(argv)
+        if args["op"] == "manifest":
+            out = op_manifest(args)
+        elif args["op"] == "verify":
+            out = op_verify(args, json.loads(sys.stdin.buffer.read() or b"{}"))
+        else:
+            out = op_unmark(args)
+    except Fail as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

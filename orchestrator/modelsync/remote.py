@@ -1,0 +1,127 @@
+"""Running sync-model's pieces on hosts, through deployctl's SSH executor (executors/ssh.py).
+
+- `hostside(session, op, args, data)`: runs hostside.py with the host's python3. Nothing is
+  installed on the host: `python3 -c BOOTSTRAP N ...` reads the first N bytes of stdin as the
+  script, the rest of stdin is the operation's input.
+- `stream(session, argv, stdin, timeout, on_line)`: a long command (rsync) whose output lines are
+  handed over as they come (progress), with an overall deadline.
+"""
+from __future__ import annotations
+
+import json
+import select
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from ..stages.base import HostFailure
+from .hostside import BOOTSTRAP
+
+if TYPE_CHECKING:
+    from ..executors.ssh import Result, SSHSession
+    from ..inventory import Cluster, Host
+
+HOSTSIDE = Path(__file__).with_name("hostside.py")
+KEEP_TAIL = 256 * 1024          # bytes of a streamed command's output kept for stats and errors
+
+
+def connect(host: "Host", cluster: "Cluster", connect_timeout: float = 10.0) -> "SSHSession":
+    """An SSH session to HOST; a failure to connect is that host's failure (HostFailure)."""
+    from ..executors.ssh import SSHError, SSHTarget
+    try:
+        return SSHTarget.for_host(host, cluster, connect_timeout).connect()
+    except SSHError as e:
+        raise HostFailure(str(e)) from None
+
+
+def hostside(session: "SSHSession", op: str, args: list[str], data: bytes = b"",
+             timeout: float = 600.0) -> dict:
+    """Run one hostside.py operation; its JSON result, or HostFailure with its error line."""
+    from ..executors.ssh import SSHError
+    script = HOSTSIDE.read_bytes()
+    host = session.target.host
+    try:
+        r: Result = session.run(["python3", "-c", BOOTSTRAP, str(len(script)), op, *args],
+                                timeout=timeout, stdin=script + data)
+    except SSHError as e:
+        raise HostFailure(_short(str(e), host, op)) from None
+    if r.rc != 0:
+        lines = [x for x in r.stderr.splitlines() if not x.startswith("progress ")]
+        err = next((x[len("error: "):] for x in reversed(lines) if x.startswith("error: ")), "")
+        if r.rc == 127:
+            err = "python3 is not installed on the host (sync-model runs a small stdlib script there)"
+        raise HostFailure(err or f"sync-model's host script ({op}) exited {r.rc}", rc=r.rc, tail=lines[-10:])
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise HostFailure(f"sync-model's host script ({op}) printed no result", tail=r.stderr.splitlines()[-10:])
+
+
+def _short(msg: str, host: str, op: str) -> str:
+    """SSH errors quote the command; ours carries the whole script: name the operation instead."""
+    cut = msg.find("`python3 -c")
+    if cut >= 0:
+        end = msg.find("`", cut + 1)
+        msg = msg[:cut] + f"`sync-model {op}`" + (msg[end + 1:] if end >= 0 else "")
+    return msg
+
+
+def stream(session: "SSHSession", argv: list[str], stdin: bytes, timeout: float,
+           on_line: Callable[[str], None]) -> tuple[int, str, str]:
+    """Run ARGV, feed STDIN, call ON_LINE for each stdout/stderr line (\\r or \\n ended) as it comes.
+
+    Returns (rc, stdout tail, stderr tail). Past TIMEOUT the channel is closed and HostFailure
+    raised (the command itself must bound its own run on the host too, e.g. with `timeout`)."""
+    from ..executors.ssh import SSHError
+    deadline = time.monotonic() + timeout
+    host = session.target.host
+    try:
+        ex = session.open_exec(argv, idle_timeout=min(timeout, 60.0))
+    except SSHError as e:
+        raise HostFailure(str(e)) from None
+    with ex:
+        try:
+            ex.write(stdin)
+        except SSHError as e:
+            raise HostFailure(str(e)) from None
+        ch = ex.ch
+        ch.shutdown_write()
+        bufs = {"out": bytearray(), "err": bytearray()}
+        tails = {"out": bytearray(), "err": bytearray()}
+
+        def feed(kind: str, data: bytes) -> None:
+            tails[kind] += data
+            del tails[kind][:-KEEP_TAIL]
+            buf = bufs[kind]
+            buf += data
+            while True:
+                cuts = [i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0]
+                if not cuts:
+                    break
+                i = min(cuts)
+                line = buf[:i].decode(errors="replace")
+                del buf[:i + 1]
+                if line.strip():
+                    on_line(line)
+
+        while True:
+            busy = False
+            while ch.recv_ready():
+                feed("out", ch.recv(65536))
+                busy = True
+            while ch.recv_stderr_ready():
+                feed("err", ch.recv_stderr(65536))
+                busy = True
+            if ch.exit_status_ready() and not ch.recv_ready() and not ch.recv_stderr_ready() \
+                    and (ch.eof_received or ch.closed):
+                break
+            if time.monotonic() > deadline:
+                raise HostFailure(f"{host}: `{argv[0]} ...` did not finish within {timeout:g}s",
+                                  tail=tails["err"].decode(errors="replace").splitlines()[-10:])
+            if not busy:
+                select.select([ch], [], [], 0.2)
+        for kind in bufs:
+            if bufs[kind].strip():
+                on_line(bufs[kind].decode(errors="replace"))
+        rc = ch.recv_exit_status()
+    return rc, tails["out"].decode(errors="replace"), tails["err"].decode(errors="replace")
