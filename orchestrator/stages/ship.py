@@ -124,6 +124,8 @@ def apply(dep, actions, ctx):
             log.write(f"lacks {len(send)} of {len(head.diff_ids)} layers: {send}; "
                       f"{len(head.diff_ids) - len(send)} present")
             progress.add(name, head.estimate(send), "waiting")
+            if not cluster.host_key_checking:
+                log.write(f"WARNING: host_key_checking is false: the head accepts any SSH host key from {name}")
             logs[name] = log           # the transfer writes its layer decisions here
             joined = True
             out = fan.join(name, send, timeout=t.deadline_s + t.load_s + 300)
