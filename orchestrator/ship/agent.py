@@ -232,7 +232,8 @@ class Agent:
         missing = [p for p in self.spec.get("need_files", []) if not os.access(p, os.R_OK)]
         if missing:
             msg = (f"the head cannot read {', '.join(missing)}: it connects to the workers over SSH "
-                   f"itself and needs the SSH key and known_hosts file there")
+                   f"itself and needs the SSH key and known_hosts file there (copy them to the head, or "
+                   f"pass `deployctl ship --head-ssh-key/--head-known-hosts` with paths on the head)")
             for w in self.workers:
                 w.error, w.kind = msg, "setup"
             return self.summary()
