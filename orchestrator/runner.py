@@ -1,9 +1,13 @@
 """Apply a plan: stage by stage, hosts in parallel inside a stage, results per host as values."""
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from rich.markup import escape
 
 from .errors import DeployctlError
 from .plan import Plan
@@ -49,10 +53,13 @@ class RunOutcome:
 
 
 def run(plan: Plan, ctx: RunContext, command: str = "up") -> RunOutcome:
+    """Apply PLAN. Ctrl-C sets ctx.cancel at once (stages' loops stop within a poll), then runs the
+    callables in ctx.options["cleanups"]; a failed stage runs ctx.options["failure_cleanups"]."""
     ctx.write_json("plan.json", plan.to_json())
     started = time.time()
     outcomes: list[StageOutcome] = []
     status, code, error = "ok", 0, ""
+    previous = _cancel_on_sigint(ctx)
     try:
         for sp in plan.stages:
             if ctx.cancel.is_set():
@@ -73,29 +80,65 @@ def run(plan: Plan, ctx: RunContext, command: str = "up") -> RunOutcome:
                 "skipped" if results and all(r.status == "skipped" for r in results) else "ok")
             out = StageOutcome(sp.name, st_status, results, sp.note, time.monotonic() - t0)
             outcomes.append(out)
-            for r in results:
-                mark = {"ok": "[green]ok[/green]", "skipped": "[dim]skip[/dim]",
-                        "failed": "[red]FAILED[/red]"}[r.status]
-                ctx.say(f"  {r.host}: {mark} {r.message}")
+            say_results(ctx, results)
             ctx.event("stage-end", stage=sp.name, status=st_status, seconds=round(out.seconds, 3))
             if failed:
                 status, code = "failed", 1
+                _run_cleanups(ctx, "failure_cleanups")
                 break
     except KeyboardInterrupt:
         ctx.cancel.set()
         status, code, error = "cancelled", 130, "interrupted (Ctrl-C)"
-        for fn in reversed(ctx.options.get("cleanups", [])):
-            try:
-                fn()
-            except Exception as e:  # cleanup must not hide the interrupt
-                ctx.event("cleanup-error", error=str(e))
+        ctx.say("[yellow]interrupted (Ctrl-C): cleaning up[/yellow]")
+        _run_cleanups(ctx, "cleanups")
     except DeployctlError as e:
         status, code, error = "error", e.exit_code, str(e)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     outcome = RunOutcome(str(ctx.run_dir), status, code, outcomes, error)
     ctx.write_json("status.json", {"command": command, "started": started, "finished": time.time(),
                                    **outcome.to_json()})
     ctx.event("run-end", status=status, exit_code=code)
     return outcome
+
+
+def say_results(ctx: RunContext, results: list[HostResult]) -> None:
+    for r in results:
+        mark = {"ok": "[green]ok[/green]", "skipped": "[dim]skip[/dim]",
+                "failed": "[red]FAILED[/red]"}[r.status]
+        ctx.say(f"  {r.host}: {mark} {escape(r.message)}")
+
+
+def _cancel_on_sigint(ctx: RunContext):
+    """Ctrl-C: set ctx.cancel before KeyboardInterrupt unwinds, so worker threads (which the main
+    thread waits for) see it and stop at once. Returns the previous handler (None: not installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_sigint(signum, frame):
+        ctx.cancel.set()
+        raise KeyboardInterrupt
+    return signal.signal(signal.SIGINT, on_sigint)
+
+
+def _run_cleanups(ctx: RunContext, key: str) -> None:
+    """Registered cleanups, newest first; a second Ctrl-C does not cut them short (each is bounded)."""
+    fns = list(reversed(ctx.options.get(key, [])))
+    if not fns:
+        return
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        for fn in fns:
+            try:
+                fn()
+            except Exception as e:  # cleanup must not hide the interrupt or the failure
+                ctx.event("cleanup-error", error=str(e))
+                ctx.say(f"[red]cleanup failed:[/red] {e}")
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
 
 
 def describe_failure(r: HostResult) -> str:

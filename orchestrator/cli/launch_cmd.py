@@ -1,46 +1,254 @@
-"""deployctl launch / health / status / logs / down (placeholders until the launch issue lands)."""
+"""deployctl launch / health / status / logs / down: the running deployment's lifecycle."""
 from __future__ import annotations
 
-import click
+import shlex
+import sys
+import threading
+from typing import Any
 
-from ..errors import NotImplementedStage
-from .common import deployment_options, handle_errors
-from .pipeline import run_stages
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..deployment import load_deployment
+from ..plan import build_plan
+from ..secrets import mask_text
+from .common import STDERR, deployment_options, emit_json, handle_errors
+from .pipeline import run_host_command, run_stages
+from .render import print_plan
+
+keep_option = click.option(
+    "--keep-on-failure", is_flag=True,
+    help="When launch or health fails, leave the containers running for debugging (default: remove "
+         "them; their logs are saved in the run record either way).")
+dry_run_option = click.option("--dry-run", is_flag=True,
+                              help="Show what would be done (the exact commands) and contact no host.")
+
+
+def _dry_run(inventory, recipe, sets, as_json, verbose, only: tuple[str, ...]) -> None:
+    dep = load_deployment(inventory, recipe, tuple(sets))
+    plan = build_plan(dep, only)
+    if as_json:
+        emit_json(plan.to_json())
+    else:
+        print_plan(plan, verbose=verbose)
 
 
 @click.command("launch")
 @deployment_options
+@keep_option
+@dry_run_option
 @handle_errors
-def launch_command(inventory, recipe, sets, as_json, verbose, quiet):
-    """Start the engine containers on every host (earlier ones of this deployment stopped first)."""
-    run_stages(command="launch", inventory=inventory, recipe=recipe, sets=tuple(sets),
-               only=("launch",), as_json=as_json, verbose=verbose, quiet=quiet)
+def launch_command(inventory, recipe, sets, as_json, verbose, quiet, keep_on_failure, dry_run):
+    """Start the engine containers on every host.
+
+    Reads every host first (network, staged tables, image) and refuses before touching anything
+    when one is not ready; then stops and removes this deployment's containers on EVERY host,
+    starts the head, then the workers. A cluster already running the same spec and image with a
+    healthy API is left alone (skipped). Holds the deployment's lock on the head.
+    """
+    if dry_run:
+        return _dry_run(inventory, recipe, sets, as_json, verbose, ("launch",))
+    run_stages(command="launch", inventory=inventory, recipe=recipe, sets=tuple(sets), only=("launch",),
+               as_json=as_json, verbose=verbose, quiet=quiet, lock=True,
+               options={"keep_on_failure": True} if keep_on_failure else None)
 
 
 @click.command("health")
 @deployment_options
 @handle_errors
 def health_command(inventory, recipe, sets, as_json, verbose, quiet):
-    """Check that the deployment really answers: /health, /v1/models, a chat completion."""
+    """Check that the deployment really answers: every container up, /health, /v1/models, a chat.
+
+    Waits up to the recipe's health.startup_timeout_s, showing the head's start-up progress; an
+    exited or restarted container fails naming its host, with its last log lines. Read-only.
+    """
     run_stages(command="health", inventory=inventory, recipe=recipe, sets=tuple(sets),
                only=("health",), as_json=as_json, verbose=verbose, quiet=quiet)
 
 
-def _pending(name: str):
-    @click.command(name)
-    @deployment_options
-    @handle_errors
-    def cmd(inventory, recipe, sets, as_json, verbose, quiet):
-        raise NotImplementedStage(f"{name} is not implemented yet (launch issue); nothing was done")
-    return cmd
+# ---------------------------------------------------------------------------------------------------
+# status
+
+def _status_table(doc: dict[str, Any]) -> Table:
+    from ..launch.containers import fmt_duration
+    t = Table(title=f"{doc['deployment']} ({doc['recipe']}, image {doc['image']})", title_justify="left")
+    for col in ("host", "rank", "container", "image ID", "uptime", "restarts", "staged data"):
+        t.add_column(col)
+    from ..launch.lifecycle import staged_summary
+    for row in doc["hosts"]:
+        name = f"{row['host']}{' (head)' if row.get('role') == 'head' else ''}"
+        if not row.get("reachable"):
+            t.add_row(name, str(row.get("rank", "")), f"[red]unreachable[/red]: {escape(row.get('error', ''))}",
+                      "", "", "", "")
+            continue
+        cs = row["containers"]
+        if not cs:
+            state, img, up, rs = "[yellow]none[/yellow]", (row["image"]["id"] or "image absent")[7:19], "-", "-"
+        else:
+            c = cs[-1]
+            color = "green" if c["status"] == "running" else "red"
+            state = f"[{color}]{c['status']}[/{color}]" + (f" (exit {c['exit_code']})" if c["status"] != "running"
+                                                           else "") + (f" +{len(cs) - 1} more" if len(cs) > 1 else "")
+            img, up, rs = c["image_id"][7:19], fmt_duration(c["uptime_s"]), str(c["restart_count"])
+        t.add_row(name, str(row["rank"]), state, img, up, rs, escape(staged_summary(row)))
+    return t
 
 
-status_command = _pending("status")
-status_command.help = "Per host: container state, image ID, uptime, staged data; API health."
-logs_command = _pending("logs")
-logs_command.help = "Show the engine logs of every host (or --host H)."
-down_command = _pending("down")
-down_command.help = "Stop and remove this deployment's containers on every host, and verify."
+@click.command("status")
+@deployment_options
+@handle_errors
+def status_command(inventory, recipe, sets, as_json, verbose, quiet):
+    """Per host: container state, image ID, uptime, restarts, staged data; and the API's health.
+
+    Read-only. Exit 0 when every host answered (whatever their state), 1 when a host could not be
+    reached.
+    """
+    from ..launch.lifecycle import cluster_status
+    dep = load_deployment(inventory, recipe, tuple(sets))
+    doc = cluster_status(dep)
+    if as_json:
+        emit_json(doc)
+    else:
+        out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+        out.print(_status_table(doc))
+        a = doc["api"]
+        out.print(f"API {a['url']}: " + ("[green]healthy[/green]" if a["healthy"] else "[red]not answering[/red]")
+                  + f" ({escape(a['detail'])})")
+    sys.exit(0 if all(r.get("reachable") for r in doc["hosts"]) else 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# logs
+
+@click.command("logs")
+@deployment_options
+@click.option("--host", "hosts", multiple=True, metavar="HOST", help="Only this host (repeatable).")
+@click.option("--tail", type=click.IntRange(min=0), default=100, show_default=True,
+              help="Lines from the end of each log.")
+@click.option("--follow", "-f", is_flag=True, help="Keep streaming new lines until Ctrl-C.")
+@handle_errors
+def logs_command(inventory, recipe, sets, as_json, verbose, quiet, hosts, tail, follow):
+    """Show the engine logs (docker logs over SSH) of every host, or of --host H.
+
+    Without --follow: the last --tail lines of each host, one block per host. With --follow: the
+    lines of all selected hosts as they come, prefixed with the host, until Ctrl-C. Exit 1 when a
+    host could not be reached or has no container of the deployment.
+    """
+    from ..launch.containers import logs_tail
+    from ..launch.lifecycle import container_name, follow as follow_logs
+    from ..launch.remote import Shells, parallel
+    dep = load_deployment(inventory, recipe, tuple(sets))
+    names = [dep.cluster.host(h).name for h in hosts] or [h.name for h in dep.cluster.hosts]
+    out = Console(highlight=False, soft_wrap=True)
+    problems: dict[str, str] = {}
+    with Shells(dep) as shells:
+        found = parallel(names, lambda n: container_name(dep, shells[n]))
+        ids = {}
+        for n in names:
+            v = found[n]
+            if isinstance(v, BaseException):
+                problems[n] = f"unreachable: {v}"
+            elif v is None:
+                problems[n] = f"no container of {dep.name}"
+            else:
+                ids[n] = v
+        if not follow:
+            texts = parallel(list(ids), lambda n: logs_tail(shells[n], ids[n], tail, timeout=60))
+            docs = {}
+            for n in names:
+                if n in problems:
+                    continue
+                if isinstance(texts[n], BaseException):
+                    problems[n] = str(texts[n])
+                    continue
+                lines = [mask_text(line) for line in texts[n]]
+                docs[n] = lines
+                if not as_json:
+                    out.print(f"[bold]==> {n} ({ids[n][:12]}) <==[/bold]")
+                    for line in lines:
+                        out.print(escape(line))
+            if as_json:
+                emit_json({"deployment": dep.name, "logs": docs, "problems": problems})
+        else:
+            stop = threading.Event()
+            lock = threading.Lock()
+
+            def emit(n: str, line: str) -> None:
+                with lock:
+                    out.print(f"[cyan]{n}[/cyan] | {escape(mask_text(line))}")
+
+            def stream(n: str) -> None:
+                try:
+                    follow_logs(shells[n], ids[n], tail, lambda line: emit(n, line), stop)
+                except Exception as e:  # noqa: BLE001 - report, keep the other streams
+                    problems[n] = str(e)
+            threads = [threading.Thread(target=stream, args=(n,), daemon=True) for n in ids]
+            for t in threads:
+                t.start()
+            try:
+                while any(t.is_alive() for t in threads):
+                    for t in threads:
+                        t.join(0.2)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(5)
+    for n, why in problems.items():
+        STDERR.print(f"[red]{n}[/red]: {escape(why)}")
+    sys.exit(1 if problems else 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# down
+
+@click.command("down")
+@deployment_options
+@dry_run_option
+@handle_errors
+def down_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run):
+    """Stop and remove this deployment's containers on every host, and verify they are gone.
+
+    A host is reported clear only after listing it again shows no container of the deployment;
+    a host where one remains, or that cannot be reached, fails (exit 1) by name. Holds the
+    deployment's lock on the head.
+    """
+    from ..launch.commands import list_argv
+    dep = load_deployment(inventory, recipe, tuple(sets))
+    if dry_run:
+        out = Console(highlight=False, soft_wrap=True)
+        out.print(f"[bold]{escape(dep.name)}[/bold]: down on {len(dep.cluster.hosts)} host(s)")
+        for h in dep.cluster.hosts:
+            out.print(f"  [cyan]{h.name}[/cyan]: stop (docker stop -t 10) and remove (docker rm -f) every "
+                      f"container listed by, then list again:")
+            out.print(f"      $ {escape(shlex.join(list_argv(h.docker_host, dep.name)))}")
+        return
+
+    def one(action, log):
+        from ..launch.containers import remove_all
+        from ..launch.remote import HostShell
+        from ..stages.base import HostResult
+        from ..executors.ssh import SSHError
+        from ..stages.base import HostFailure
+        sh = HostShell(dep, dep.cluster.host(action.host), connect_timeout=10.0)
+        try:
+            gone = remove_all(sh, dep.name)
+        except SSHError as e:
+            raise HostFailure(f"could not reach the host, its containers (if any) are still there: {e}") from None
+        finally:
+            sh.close()
+        if not gone:
+            log.write(f"no container of {dep.name}")
+            return HostResult(action.host, "down", "skipped", f"no container of {dep.name} here (verified)")
+        msg = (f"stopped and removed {', '.join(f'{c.name} ({c.short_id})' for c in gone)}; "
+               f"verified: none of {dep.name} left")
+        log.write(msg)
+        return msg
+    run_host_command(command="down", dep=dep, fn=one, summary=f"stop and remove the containers of {dep.name}",
+                     as_json=as_json, verbose=verbose, quiet=quiet, lock=True)
 
 
 def register(cli: click.Group) -> None:

@@ -5,9 +5,14 @@ import click
 
 from ..deployment import load_deployment
 from ..plan import build_plan
+from ..stages import select
 from .common import deployment_options, emit_json, handle_errors
+from .launch_cmd import keep_option
 from .pipeline import run_stages
 from .render import print_plan
+
+
+READ_ONLY = {"preflight", "health"}
 
 
 @click.command("up")
@@ -15,11 +20,15 @@ from .render import print_plan
 @click.option("--dry-run", is_flag=True, help="Show the plan (each host's exact commands) and stop.")
 @click.option("--only", multiple=True, metavar="STAGE", help="Run only these stages (repeatable).")
 @click.option("--skip", multiple=True, metavar="STAGE", help="Skip these stages (repeatable).")
+@keep_option
 @handle_errors
-def up_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run, only, skip):
+def up_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run, only, skip, keep_on_failure):
     """Deploy: preflight, build, ship, sync-model, stage-engram, write-ple, launch, health.
 
-    Each stage skips what is already done. Writes a run record under runs/.
+    Each stage skips what is already done, so a re-run on a healthy cluster only checks. Writes a
+    run record under runs/. Unless it only reads (--only preflight/health), holds the deployment's
+    lock on the head for the whole run: a second `up` of the same deployment fails at once, naming
+    the head and the lock. Ctrl-C removes the containers this run started.
     """
     if dry_run:
         dep = load_deployment(inventory, recipe, tuple(sets))
@@ -29,8 +38,11 @@ def up_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run, only, 
         else:
             print_plan(plan, verbose=verbose)
         return
+    # Only runs that change something take the lock: preflight and health only read.
+    changes = set(select(tuple(only), tuple(skip))) - READ_ONLY
     run_stages(command="up", inventory=inventory, recipe=recipe, sets=tuple(sets), only=tuple(only),
-               skip=tuple(skip), as_json=as_json, verbose=verbose, quiet=quiet)
+               skip=tuple(skip), as_json=as_json, verbose=verbose, quiet=quiet, lock=bool(changes),
+               options={"keep_on_failure": True} if keep_on_failure else None)
 
 
 def register(cli: click.Group) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jinja2
@@ -22,6 +22,7 @@ MODEL_MOUNT = "/model"
 ENGRAM_MOUNT = "/engram"
 PLE_MOUNT = "/ple"
 LABEL = "deployctl.deployment"
+SPEC_LABEL = "deployctl.spec"            # the spec digest: same digest = same container (skip a relaunch)
 
 # Flags deployctl renders from structured recipe fields; setting them in engine.args would
 # contradict those fields, so it is an error that names the field to change instead.
@@ -66,7 +67,12 @@ class ContainerSpec:
     def docker_run_argv(self) -> list[str]:
         """The equivalent `docker run` command line (shown in plans and runbooks)."""
         a = ["docker", "run", "-d", "--name", self.name, "--network", "host", "--ipc", "host",
-             "--shm-size", self.shm_size, "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864:67108864"]
+             "--shm-size", self.shm_size]
+        if self.gpus or self.rdma_devices:
+            # pinned memory (CUDA host buffers, RDMA registration); raising the hard limit needs
+            # CAP_SYS_RESOURCE, which a GPU-less host (the test cluster) may not grant
+            a += ["--ulimit", "memlock=-1:-1"]
+        a += ["--ulimit", "stack=67108864:67108864"]
         if self.gpus:
             a += ["--gpus", "all"]
         if self.rdma_devices:
@@ -163,7 +169,8 @@ def container_spec(dep: Deployment, host: Host, fabric: Fabric | None,
         image=e.image, argv=engine_argv(dep, host, master), env=env, mounts=tuple(mounts),
         labels=labels, shm_size=e.shm_size, gpus=host.gpus > 0 and c.expect_gpus,
         rdma_devices=bool(fabric and fabric.hcas), fabric_note=note)
-    return spec
+    # The digest covers everything but the labels, so it can be one of them.
+    return replace(spec, labels={**labels, SPEC_LABEL: spec.digest})
 
 
 def env_references(env: dict[str, str]) -> list[str]:

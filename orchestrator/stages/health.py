@@ -1,21 +1,37 @@
-"""health: the API really answers (placeholder)."""
+"""health: every container stays up and the API really answers (a chat completion)."""
 from __future__ import annotations
 
+from ..launch.commands import list_argv
 from ..plan import Action
-from ._pending import not_implemented
 from .base import Stage
 
 
 def plan(dep):
-    head, r = dep.cluster.head_host, dep.recipe
+    c, r = dep.cluster, dep.recipe
     base = dep.api_url
-    act = Action("health", head.name, "http-checks",
-                 f"wait for {base}/health, {r.engine.served_name} in /v1/models, a chat completion",
-                 api=f"GET {base}/health; GET {base}/v1/models; POST {base}/v1/chat/completions "
-                     f"{{\"messages\": [{{\"role\": \"user\", \"content\": \"{r.health.prompt}\"}}], "
-                     f"\"max_tokens\": {r.health.max_tokens}}}")
-    return [act], ""
+    name = r.engine.container_name or f"deployctl-{dep.name}"
+    acts = []
+    for h in c.hosts:
+        watch = (f"container {name} of {dep.name} running, no restart, up {r.health.stay_up_s:g}s "
+                 f"after the API answers")
+        if h.name == c.head:
+            acts.append(Action(
+                "health", h.name, "http-checks",
+                f"wait up to {r.health.startup_timeout_s:g}s for {base}/health, {r.engine.served_name} in "
+                f"/v1/models, a chat completion; {watch}",
+                api=f"GET {base}/health; GET {base}/v1/models; POST {base}/v1/chat/completions "
+                    f"{{\"messages\": [{{\"role\": \"user\", \"content\": \"{r.health.prompt}\"}}], "
+                    f"\"max_tokens\": {r.health.max_tokens}}}"))
+        else:
+            acts.append(Action("health", h.name, "watch-container", watch,
+                               command=tuple(list_argv(h.docker_host, dep.name))))
+    return acts, ""
 
 
-STAGE = Stage("health", plan, not_implemented("health", "launch issue"),
-              "check the API until it really answers")
+def apply(dep, actions, ctx):
+    """One loop over all hosts and the API (orchestrator/launch/monitor.py)."""
+    from ..launch import monitor
+    return monitor.apply(dep, actions, ctx)
+
+
+STAGE = Stage("health", plan, apply, "check the API until it really answers")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from ..launch.render import container_spec
 from ..plan import Action
-from ._pending import not_implemented
 from .base import Stage
 
 
@@ -20,5 +19,11 @@ def plan(dep):
     return acts, ""
 
 
-STAGE = Stage("launch", plan, not_implemented("launch", "launch issue"),
-              "start the engine on every host")
+def apply(dep, actions, ctx):
+    """Probe every host, refuse early, clear every host, start the head then the workers
+    (orchestrator/launch/launcher.py); a cluster already running this spec is skipped."""
+    from ..launch import launcher
+    return launcher.apply(dep, actions, ctx)
+
+
+STAGE = Stage("launch", plan, apply, "start the engine on every host")

@@ -1,0 +1,94 @@
+"""The engine's OpenAI-style API on the head, checked the way the vendor reports did:
+GET /health (200), GET /v1/models (lists the served name), then a real chat completion.
+
+Every request has a timeout; proxies from the environment are ignored (the head is a cluster address).
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import httpx
+
+QUICK_TIMEOUT_S = 10.0       # /health and /v1/models answer at once when the engine is up
+
+# Engine log lines that tell how far start-up got (vLLM, SGLang, NCCL, the engine double).
+_PROGRESS = re.compile(r"\d+(\.\d+)?\s*%|\d+/\d+|loading|loaded|captur|compil|rendezvous|joined|"
+                       r"waiting|download|warm|nccl|init|startup|ready", re.I)
+
+
+@dataclass(frozen=True)
+class ApiCheck:
+    ok: bool
+    step: str                # the step reached: health | models | chat | done
+    detail: str
+    fatal: bool = False      # the engine answers but can never pass (e.g. wrong served name)
+
+
+def check(client: httpx.Client, base: str, served: str, prompt: str | None, max_tokens: int,
+          request_timeout: float) -> ApiCheck:
+    """One pass over the checks; stops at the first that does not pass. PROMPT None: no completion."""
+    quick = min(QUICK_TIMEOUT_S, request_timeout)
+    try:
+        r = client.get(f"{base}/health", timeout=quick)
+    except httpx.HTTPError as e:
+        return ApiCheck(False, "health", f"GET /health: {_why(e)}")
+    if r.status_code != 200:
+        return ApiCheck(False, "health", f"GET /health: HTTP {r.status_code} {r.text[:200].strip()}")
+    try:
+        r = client.get(f"{base}/v1/models", timeout=quick)
+        names = [m.get("id") for m in r.json().get("data", [])] if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        return ApiCheck(False, "models", f"GET /v1/models: {_why(e)}")
+    if names is None:
+        return ApiCheck(False, "models", f"GET /v1/models: HTTP {r.status_code} {r.text[:200].strip()}")
+    if served not in names:
+        return ApiCheck(False, "models", f"GET /v1/models lists {names}, not the served name {served!r}",
+                        fatal=True)
+    if prompt is None:
+        return ApiCheck(True, "models", f"/health 200, /v1/models lists {served}")
+    body = {"model": served, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    t0 = time.monotonic()
+    try:
+        r = client.post(f"{base}/v1/chat/completions", json=body, timeout=request_timeout)
+        doc = r.json()
+    except (httpx.HTTPError, ValueError) as e:
+        return ApiCheck(False, "chat", f"POST /v1/chat/completions: {_why(e)}")
+    if r.status_code != 200:
+        msg = (doc.get("error") or {}).get("message") if isinstance(doc, dict) else None
+        return ApiCheck(False, "chat", f"POST /v1/chat/completions: HTTP {r.status_code} {msg or r.text[:200]}")
+    try:
+        text = doc["choices"][0]["message"]["content"] or ""
+    except (KeyError, IndexError, TypeError):
+        text = ""
+    if not text.strip():
+        return ApiCheck(False, "chat", f"POST /v1/chat/completions returned no text: {str(doc)[:200]}")
+    took = time.monotonic() - t0
+    return ApiCheck(True, "done", f"/health 200, /v1/models lists {served}, chat answered "
+                                  f"{_quote(text)} in {took:.1f}s")
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, httpx.ConnectError):
+        return "connection refused or unreachable (engine still loading?)"
+    if isinstance(e, httpx.TimeoutException):
+        return f"no answer in time ({type(e).__name__})"
+    return f"{type(e).__name__}: {e}"
+
+
+def _quote(text: str, n: int = 60) -> str:
+    one = " ".join(text.split())
+    return repr(one if len(one) <= n else one[:n] + "...")
+
+
+def progress_line(lines: list[str]) -> str:
+    """The last line of an engine log that tells how far start-up got ("Loading weights: 40%")."""
+    for line in reversed(lines):
+        if _PROGRESS.search(line):
+            return line.strip()[-200:]
+    return lines[-1].strip()[-200:] if lines else ""
+
+
+def http_client() -> httpx.Client:
+    return httpx.Client(trust_env=False, follow_redirects=False)

@@ -1,0 +1,180 @@
+"""The deployment's containers on one host, through the Docker CLI over SSH (see remote.py).
+
+A container belongs to a deployment by its label `deployctl.deployment=<name>`; its spec digest is
+the label `deployctl.spec` (render.py). Removal is always verified by listing again: nothing is
+reported "stopped" while a container of the deployment is still there.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any
+
+from ..stages.base import HostFailure
+from .commands import list_argv, logs_argv
+from .remote import HostShell
+from .render import SPEC_LABEL, ContainerSpec, env_references
+
+STOP_TIMEOUT_S = 10          # docker stop -t: SIGTERM, then SIGKILL after this long
+LOG_TAIL = 20
+
+@dataclass(frozen=True)
+class Container:
+    id: str
+    name: str
+    status: str                  # created | running | restarting | exited | dead | paused
+    exit_code: int
+    restart_count: int
+    image_id: str
+    labels: dict[str, str] = field(default_factory=dict)
+    uptime_s: float | None = None     # running: seconds since it started (host clock)
+    error: str = ""                   # Docker's State.Error (e.g. a mount that failed)
+    oom_killed: bool = False
+
+    @property
+    def running(self) -> bool:
+        return self.status == "running"
+
+    @property
+    def short_id(self) -> str:
+        return self.id[:12]
+
+    @property
+    def spec(self) -> str:
+        return self.labels.get(SPEC_LABEL, "")
+
+    def describe(self) -> str:
+        if self.running:
+            up = f", up {fmt_duration(self.uptime_s)}" if self.uptime_s is not None else ""
+            return f"{self.name} ({self.short_id}) running{up}, restarts {self.restart_count}"
+        why = f", {self.error}" if self.error else (", OOM-killed" if self.oom_killed else "")
+        return f"{self.name} ({self.short_id}) {self.status} with exit code {self.exit_code}{why}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "status": self.status, "exit_code": self.exit_code,
+                "restart_count": self.restart_count, "image_id": self.image_id, "spec": self.spec,
+                "uptime_s": None if self.uptime_s is None else round(self.uptime_s, 1),
+                "rank": self.labels.get("deployctl.rank"), "error": self.error}
+
+
+def fmt_duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _parse_time(text: str) -> float | None:
+    """Docker's RFC 3339 times (nanoseconds, Z) -> epoch seconds; the zero time -> None."""
+    m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)?$", text or "")
+    if not m or m.group(1).startswith("0001-"):
+        return None
+    frac = (m.group(2) or ".0")[:7]
+    tz = m.group(3) or "Z"
+    dt = datetime.fromisoformat(m.group(1) + frac + ("+00:00" if tz == "Z" else tz))
+    return dt.astimezone(timezone.utc).timestamp()
+
+
+def _container(doc: dict[str, Any], host_now: float | None) -> Container:
+    st = doc.get("State") or {}
+    started = _parse_time(st.get("StartedAt", ""))
+    status = st.get("Status") or ("running" if st.get("Running") else "exited")
+    uptime = host_now - started if status == "running" and started and host_now else None
+    return Container(id=doc.get("Id", ""), name=(doc.get("Name") or "").lstrip("/"), status=status,
+                     exit_code=int(st.get("ExitCode") or 0), restart_count=int(doc.get("RestartCount") or 0),
+                     image_id=doc.get("Image", ""), labels=dict((doc.get("Config") or {}).get("Labels") or {}),
+                     uptime_s=uptime, error=st.get("Error") or "", oom_killed=bool(st.get("OOMKilled")))
+
+
+def list_containers(sh: HostShell, deployment: str, timeout: float = 30.0) -> list[Container]:
+    """Every container (any state) of DEPLOYMENT on the host, by label."""
+    r = sh.run(list_argv(sh.host.docker_host, deployment), timeout=timeout)
+    return parse_list(r.rc, r.stdout, r.stderr, sh.host.docker_host)
+
+
+def parse_list(rc: int, out: str, err: str, docker_host: str) -> list[Container]:
+    """The output of commands.list_argv: the host's clock, then `docker inspect` JSON (or nothing)."""
+    lines = out.splitlines()
+    if rc == 3 or not lines:
+        raise HostFailure(f"the Docker engine {docker_host} does not answer: "
+                          f"{(err.strip() or out.strip())[-500:]}", rc=rc)
+    try:
+        host_now: float | None = float(lines[0].strip())
+    except ValueError:
+        host_now = None
+    body = "\n".join(lines[1:]).strip()
+    try:
+        docs = json.loads(body) if body else []
+    except ValueError:
+        raise HostFailure(f"cannot read `docker inspect` output: {body[:200]!r}", rc=rc) from None
+    # rc 1 with output: a container vanished between ps and inspect; the others are listed.
+    return sorted((_container(d, host_now) for d in docs), key=lambda c: c.name)
+
+
+def logs_tail(sh: HostShell, container: str, lines: int = LOG_TAIL, timeout: float = 30.0) -> list[str]:
+    """The container's last LINES log lines (stdout and stderr as the engine interleaved them)."""
+    r = sh.run(logs_argv(sh.host.docker_host, container, lines), timeout=timeout)
+    return r.stdout.splitlines()[-lines:]
+
+
+def remove_all(sh: HostShell, deployment: str, stop_timeout: int = STOP_TIMEOUT_S) -> list[Container]:
+    """Stop (SIGTERM, then SIGKILL after STOP_TIMEOUT) and remove every container of DEPLOYMENT, then
+    list again: a container still there is a failure naming it. Returns what was removed."""
+    found = list_containers(sh, deployment)
+    if not found:
+        return []
+    ids = [c.id for c in found]
+    running = [c.id for c in found if c.status in ("running", "restarting", "paused")]
+    if running:
+        sh.run(sh.docker("stop", "-t", str(stop_timeout), *running), timeout=stop_timeout + 60)
+    r = sh.run(sh.docker("rm", "-f", *ids), timeout=120)
+    left = list_containers(sh, deployment)
+    if left:
+        detail = (r.stderr.strip().splitlines() or [""])[-1]
+        raise HostFailure(f"{len(left)} container(s) of {deployment} still present after docker stop/rm: "
+                          + ", ".join(c.describe() for c in left) + (f" ({detail})" if detail else ""),
+                          rc=r.rc)
+    return found
+
+
+def secret_keys(spec: ContainerSpec) -> list[str]:
+    """Variables whose values refer to the operator's ${VAR}s (expanded only when starting)."""
+    return [k for k, v in spec.env.items() if env_references({k: v})]
+
+
+def run_argv(spec: ContainerSpec, docker_host: str) -> list[str]:
+    """The `docker -H ENGINE run -d ...` argv for SPEC: its docker_run_argv, except that variables
+    referring to ${VAR}s come from `--env-file /dev/stdin`, so a secret never appears on a command
+    line (the host's `ps`) or in a log."""
+    secret = secret_keys(spec)
+    plain = replace(spec, env={k: v for k, v in spec.env.items() if k not in secret})
+    argv = plain.docker_run_argv()
+    assert argv[:3] == ["docker", "run", "-d"]
+    extra = ["--env-file", "/dev/stdin"] if secret else []
+    return ["docker", "-H", docker_host, "run", "-d", *extra, *argv[3:]]
+
+
+def env_file(env: dict[str, str]) -> str:
+    for k, v in env.items():
+        if "\n" in v:
+            raise HostFailure(f"engine.env.{k}: a value with a newline cannot be passed to docker")
+    return "".join(f"{k}={v}\n" for k, v in env.items())
+
+
+def start(sh: HostShell, spec: ContainerSpec, expanded_env: dict[str, str], timeout: float = 180.0) -> str:
+    """docker run -d SPEC on the host; returns the container ID. EXPANDED_ENV holds the values of the
+    spec's ${VAR} variables (see run_argv)."""
+    argv = run_argv(spec, sh.host.docker_host)
+    secret = {k: expanded_env[k] for k in secret_keys(spec)}
+    r = sh.run(argv, timeout=timeout, stdin=env_file(secret) if secret else None)
+    if r.rc != 0:
+        tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-10:]
+        raise HostFailure(f"docker run {spec.image} failed (exit {r.rc}): {tail[-1] if tail else ''}",
+                          rc=r.rc, tail=tail)
+    return r.stdout.strip().splitlines()[-1]

@@ -1,0 +1,232 @@
+"""The launch stage's apply: read every host, refuse early, stop the old containers everywhere, then
+start the head and the workers.
+
+1. probe every host (in parallel): network facts (multi-node), staged tables, the image ID, the
+   deployment's containers. A host that cannot be reached, lacks the image, or holds Engram rows
+   of another rank fails here, and nothing is touched anywhere;
+2. choose each host's own fabric and render each host's ContainerSpec (the head's fabric address
+   is the master address);
+3. every host already runs this spec on this image and the API answers: nothing to do (skipped);
+4. stop and remove the deployment's containers on EVERY host and verify they are gone (a new worker
+   could join a stale head's rendezvous and hang);
+5. start the head, then the workers in parallel. From here on a Ctrl-C (or, unless
+   --keep-on-failure, a failure of launch or health) removes this deployment's containers again.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+from rich.markup import escape
+
+from ..deployment import Deployment
+from ..errors import InputError
+from ..plan import Action
+from ..runrecord import HostLog, RunContext
+from ..stages.base import HostFailure, HostResult
+from . import api, probe
+from .containers import Container, remove_all, start
+from .fabric import Fabric, choose_fabric
+from .lifecycle import remove_everywhere
+from .remote import Shells, parallel, run_shells
+from .results import failure, record
+from .render import ContainerSpec, container_spec, expand_env
+
+STAGE = "launch"
+
+
+def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostResult]:
+    environ = dict(os.environ)
+    # A ${VAR} the operator has not set is bad input: say so before any host is touched.
+    expand_env(dep.recipe.engine.env, environ, str(dep.loaded.path))
+    names = [a.host for a in actions]
+    logs = {n: ctx.host_log(n, STAGE) for n in names}
+    try:
+        return _Launch(dep, ctx, run_shells(dep, ctx.options), names, logs, environ).run()
+    finally:
+        for log in logs.values():
+            log.close()
+
+
+class _Launch:
+    def __init__(self, dep: Deployment, ctx: RunContext, shells: Shells, names: list[str],
+                 logs: dict[str, HostLog], environ: dict[str, str]):
+        self.dep, self.ctx, self.shells, self.names, self.logs = dep, ctx, shells, names, logs
+        self.environ = environ
+        self.head = dep.cluster.head
+        self.image = dep.recipe.engine.image
+
+    # -- results -----------------------------------------------------------------------------
+    def result(self, host: str, status: str, message: str, *, rc: int | None = None,
+               tail: list[str] | None = None, data: dict[str, Any] | None = None) -> HostResult:
+        return record(self.ctx, self.logs[host], STAGE, host, status, message, rc=rc, tail=tail, data=data)
+
+    def abort(self, failed: dict[str, BaseException], others: str,
+              done: dict[str, str] | None = None) -> list[HostResult]:
+        """Failed hosts with their reasons, hosts in DONE ok with its message, every other host
+        skipped with OTHERS (why nothing happened there)."""
+        out = []
+        for n in self.names:
+            if n in failed:
+                f = failure(failed[n])
+                out.append(self.result(n, "failed", str(f), rc=f.rc, tail=f.tail or None))
+            elif done and n in done:
+                out.append(self.result(n, "ok", done[n]))
+            else:
+                out.append(self.result(n, "skipped", others))
+        return out
+
+    def phase(self, what: str, names: list[str], fn: Callable[[str], Any]) -> tuple[dict[str, Any],
+                                                                                    dict[str, BaseException]]:
+        for n in names:
+            self.ctx.event("action-start", host=n, stage=STAGE, op=what)
+        res = parallel(names, fn)
+        ok = {n: v for n, v in res.items() if not isinstance(v, BaseException)}
+        bad = {n: v for n, v in res.items() if isinstance(v, BaseException)}
+        return ok, bad
+
+    # -- steps -------------------------------------------------------------------------------
+    def probe_host(self, name: str) -> probe.HostRead:
+        sh, log = self.shells[name], self.logs[name]
+        multi = self.dep.recipe.parallelism.nodes > 1
+        head = self.dep.cluster.head_host
+        read = probe.read_host(self.dep, sh, (head.fabric_address or head.address) if multi else "")
+        log.write(f"image {self.image}: {read.image_id or 'absent'}; containers of {self.dep.name}: "
+                  + (", ".join(c.describe() for c in read.containers) or "none"))
+        if not read.image_id:
+            raise HostFailure(f"image {self.image} is not in the Docker engine {sh.host.docker_host} "
+                              f"(ship it first: `deployctl ship -i {self.dep.cluster.file}`)")
+        problem = probe.engram_problem(self.dep, sh.host, read.staged)
+        if problem:
+            raise HostFailure(f"refused: {problem}")
+        return read
+
+    def fabrics(self, info: dict[str, probe.HostRead]) -> tuple[dict[str, Fabric | None],
+                                                                 dict[str, BaseException]]:
+        out: dict[str, Fabric | None] = {n: None for n in self.names}
+        bad: dict[str, BaseException] = {}
+        if self.dep.recipe.parallelism.nodes == 1:
+            return out, bad
+        for n in self.names:
+            h = self.dep.cluster.host(n)
+            try:
+                out[n] = choose_fabric(n, info[n].facts or {}, h.fabric_iface, h.fabric_address, h.address)
+                self.logs[n].write(f"fabric: {out[n].iface} {out[n].address} ({out[n].reason})")
+            except InputError as e:
+                bad[n] = e
+        return out, bad
+
+    def unchanged(self, specs: dict[str, ContainerSpec], info: dict[str, probe.HostRead]) -> str | None:
+        """None when every host runs exactly this spec on this image and the API answers; else why not."""
+        for n in self.names:
+            cs = info[n].containers
+            if not cs:
+                return f"{n} runs no container of {self.dep.name}"
+            c = cs[0]
+            if len(cs) > 1:
+                return f"{n} has {len(cs)} containers of {self.dep.name}"
+            if not c.running:
+                return f"{n}: {c.describe()}"
+            if c.spec != specs[n].digest:
+                return f"{n} runs spec {c.spec or '(none)'}, the new spec is {specs[n].digest}"
+            if c.image_id != info[n].image_id:
+                return f"{n} runs image {c.image_id[7:19]}, {self.image} is now {(info[n].image_id or '')[7:19]}"
+        r = self.dep.recipe
+        with api.http_client() as client:
+            chk = api.check(client, self.dep.api_url, r.engine.served_name, None, 1, r.health.request_timeout_s)
+        return None if chk.ok else f"the API does not answer ({chk.detail})"
+
+    # -- the whole stage ---------------------------------------------------------------------
+    def run(self) -> list[HostResult]:
+        dep, ctx = self.dep, self.ctx
+        info, bad = self.phase("probe", self.names, self.probe_host)
+        if bad:
+            return self.abort(bad, f"nothing changed: launch refused before touching any container "
+                                   f"({', '.join(sorted(bad))} failed the checks)")
+        fabrics, bad = self.fabrics(info)
+        if bad:
+            return self.abort(bad, f"nothing changed: no fabric for {', '.join(sorted(bad))}")
+        head_fabric = fabrics[self.head]
+        specs = {n: container_spec(dep, dep.cluster.host(n), fabrics[n], head_fabric) for n in self.names}
+        envs = {n: expand_env(s.env, self.environ, str(dep.loaded.path)) for n, s in specs.items()}
+
+        why = self.unchanged(specs, info)
+        if why is None:
+            return [self.result(n, "skipped", f"already running: {info[n].containers[0].describe()}, "
+                                              f"spec {specs[n].digest}, image {(info[n].image_id or '')[7:19]}"
+                                              + ("; API healthy" if n == self.head else ""),
+                                data={"container": info[n].containers[0].id, "spec": specs[n].digest})
+                    for n in self.names]
+        ctx.say(f"  launching: {escape(why)}")
+        for n in self.names:
+            self.logs[n].write(f"launching ({why}): {' '.join(specs[n].docker_run_argv())}")
+
+        # Every node is cleared before any starts. Ctrl-C from here on removes what was started.
+        cleanup = _cleanup(dep, ctx, self.names)
+        ctx.options.setdefault("cleanups", []).append(cleanup)
+        if not ctx.options.get("keep_on_failure"):
+            ctx.options.setdefault("failure_cleanups", []).append(cleanup)
+        removed, bad = self.phase("stop", self.names, lambda n: self.stop(n))
+        if bad:
+            return self.abort(bad, f"earlier containers removed here; nothing started because "
+                                   f"{', '.join(sorted(bad))} could not be cleared")
+
+        started: dict[str, str] = {}
+        ok, bad = self.phase("start-head", [self.head], lambda n: self.start(n, specs[n], envs[n]))
+        started.update(ok)
+        if not bad:
+            workers = [n for n in self.names if n != self.head]
+            ok, bad = self.phase("start-workers", workers, lambda n: self.start(n, specs[n], envs[n]))
+            started.update(ok)
+        ctx.options["launched"] = set(started)
+        if bad:
+            return self.abort(bad, "not started: the head failed to start",
+                              {n: f"started {cid[:12]}" for n, cid in started.items()})
+        out = []
+        for n in self.names:
+            s, f = specs[n], fabrics[n]
+            role = "head" if n == self.head else "worker"
+            fab = f"; fabric {f.iface} {f.address}" if f else ""
+            prev = f"; replaced {', '.join(c.short_id for c in removed[n])}" if removed[n] else ""
+            out.append(self.result(n, "ok", f"started {s.name} ({started[n][:12]}) rank {s.rank} ({role}), "
+                                            f"spec {s.digest}{fab}{prev}",
+                                   data={"container": started[n], "spec": s.digest, "image": s.image,
+                                         "argv": list(s.argv),
+                                         "fabric": None if f is None else {"iface": f.iface, "address": f.address,
+                                                                           "hcas": list(f.hcas),
+                                                                           "reason": f.reason}}))
+        return out
+
+    def stop(self, name: str) -> list[Container]:
+        gone = remove_all(self.shells[name], self.dep.name)
+        self.logs[name].write("removed: " + (", ".join(c.describe() for c in gone) or "nothing to remove")
+                              + f"; verified: no container of {self.dep.name} left")
+        return gone
+
+    def start(self, name: str, spec: ContainerSpec, env: dict[str, str]) -> str:
+        if self.ctx.cancel.is_set():
+            raise HostFailure("cancelled (Ctrl-C) before starting")
+        t0 = time.monotonic()
+        cid = start(self.shells[name], spec, env)
+        self.logs[name].write(f"started {spec.name} {cid[:12]} in {time.monotonic() - t0:.1f}s")
+        return cid
+
+
+def _cleanup(dep: Deployment, ctx: RunContext, names: list[str]) -> Callable[[], None]:
+    """Remove this deployment's containers everywhere (their logs saved to the run record first)."""
+    done: list[bool] = []
+
+    def cleanup() -> None:
+        if done:
+            return
+        done.append(True)
+        ctx.say(f"removing the containers of {dep.name} on {len(names)} host(s) "
+                f"(engine logs saved under {ctx.run_dir}/logs/<host>/engine.log)")
+        for name, outcome in remove_everywhere(dep, names, ctx).items():
+            if isinstance(outcome, BaseException):
+                ctx.say(f"  {name}: [red]NOT removed[/red]: {escape(str(failure(outcome)))}")
+            else:
+                ctx.say(f"  {name}: " + (f"removed {', '.join(c.name for c in outcome)}" if outcome
+                                         else "nothing to remove") + " (verified)")
+    return cleanup

@@ -1,0 +1,134 @@
+"""Lifecycle of a running deployment: status, logs, down (and the removal launch's cleanups use).
+
+`down` and the cleanups list the containers again after removing them: a host is reported clear
+only when no container of the deployment is left on it; a host that cannot be reached is a failure.
+"""
+from __future__ import annotations
+
+import select
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import api, probe
+from .commands import logs_argv
+from .containers import Container, list_containers, logs_tail, remove_all
+from .remote import HostShell, Shells, parallel
+
+if TYPE_CHECKING:
+    from ..deployment import Deployment
+    from ..runrecord import RunContext
+
+SAVED_LOG_LINES = 500
+CLEANUP_CONNECT_S = 5.0
+
+
+def save_engine_logs(sh: HostShell, containers: list[Container], ctx: "RunContext") -> None:
+    """The last lines of each container's log into the run record (logs/<host>/engine.log, masked)."""
+    log = ctx.host_log(sh.host.name, "engine")
+    try:
+        for c in containers:
+            log.write(f"===== {c.describe()}: last {SAVED_LOG_LINES} lines =====")
+            log.write("\n".join(logs_tail(sh, c.id, SAVED_LOG_LINES)))
+    finally:
+        log.close()
+
+
+def remove_everywhere(dep: "Deployment", names: list[str], ctx: "RunContext | None" = None
+                      ) -> dict[str, "list[Container] | BaseException"]:
+    """Stop, remove and verify gone on every host in NAMES, in parallel (logs saved to CTX first)."""
+    with Shells(dep, CLEANUP_CONNECT_S) as shells:
+        def one(name: str) -> list[Container]:
+            sh = shells[name]
+            if ctx is not None:
+                found = list_containers(sh, dep.name)
+                if found:
+                    try:
+                        save_engine_logs(sh, found, ctx)
+                    except Exception:  # noqa: BLE001 - the logs are a courtesy; removal is the point
+                        pass
+            return remove_all(sh, dep.name)
+        return parallel(names, one)
+
+
+# ---------------------------------------------------------------------------------------------------
+# status
+
+def host_status(dep: "Deployment", sh: HostShell) -> dict[str, Any]:
+    h = sh.host
+    row: dict[str, Any] = {"host": h.name, "rank": h.rank,
+                           "role": "head" if h.name == dep.cluster.head else "worker", "address": h.address}
+    try:
+        read = probe.read_host(dep, sh)
+    except Exception as e:  # noqa: BLE001 - unreachable hosts are part of the answer
+        row.update(reachable=False, error=str(e))
+        return row
+    row.update(reachable=True, containers=[c.to_json() for c in read.containers],
+               image={"ref": dep.recipe.engine.image, "id": read.image_id})
+    data: dict[str, Any] = {}
+    if "engram" in read.staged:
+        e = read.staged["engram"]
+        problem = probe.engram_problem(dep, h, read.staged)
+        data["engram"] = {"dir": e["dir"], "local": e.get("local") is not None, "manifest": e.get("manifest"),
+                          "rank_ok": problem is None, "problem": problem}
+    if "ple" in read.staged:
+        p = read.staged["ple"]
+        data["ple"] = {"dir": p["dir"], "tables": p["tables"], "manifest": p["manifest"]}
+    row["staged"] = data
+    return row
+
+
+def cluster_status(dep: "Deployment") -> dict[str, Any]:
+    names = [h.name for h in dep.cluster.hosts]
+    with Shells(dep, CLEANUP_CONNECT_S) as shells:
+        rows = parallel(names, lambda n: host_status(dep, shells[n]))
+    r = dep.recipe
+    with api.http_client() as client:
+        chk = api.check(client, dep.api_url, r.engine.served_name, None, 1, r.health.request_timeout_s)
+    return {"deployment": dep.name, "recipe": r.name, "image": r.engine.image,
+            "api": {"url": dep.api_url, "healthy": chk.ok, "detail": chk.detail},
+            "hosts": [rows[n] if isinstance(rows[n], dict) else
+                      {"host": n, "reachable": False, "error": str(rows[n])} for n in names]}
+
+
+def staged_summary(row: dict[str, Any]) -> str:
+    parts = []
+    st = row.get("staged") or {}
+    if "engram" in st:
+        e = st["engram"]
+        parts.append("engram " + ("ok" if e["rank_ok"] else ("wrong rank" if e["local"] else "missing"))
+                     + ("" if e["manifest"] else ", no manifest"))
+    if "ple" in st:
+        p = st["ple"]
+        n = len(p["tables"])
+        parts.append(f"ple {'1 table' if n == 1 else f'{n} tables'}" + ("" if p["manifest"] else ", no manifest"))
+    return "; ".join(parts) or "-"
+
+
+# ---------------------------------------------------------------------------------------------------
+# logs
+
+def container_name(dep: "Deployment", sh: HostShell) -> str | None:
+    """The deployment's newest container on the host (by name), None when there is none."""
+    cs = list_containers(sh, dep.name)
+    return cs[-1].id if cs else None
+
+
+def follow(sh: HostShell, container: str, tail: int, emit: Callable[[str], None],
+           stop: threading.Event) -> None:
+    """Stream `docker logs -f` from the host line by line into EMIT until STOP is set or it ends."""
+    with sh.target.connect() as session:
+        with session.open_exec(logs_argv(sh.host.docker_host, container, tail, follow=True)) as ex:
+            ch, buf = ex.ch, b""
+            while not stop.is_set():
+                if ch.recv_ready():
+                    buf += ch.recv(65536)
+                    *lines, buf = buf.split(b"\n")
+                    for line in lines:
+                        emit(line.decode(errors="replace"))
+                    continue
+                if ch.exit_status_ready() and not ch.recv_ready():
+                    break
+                select.select([ch], [], [], 0.2)
+            if buf:
+                emit(buf.decode(errors="replace"))
+

@@ -1,0 +1,123 @@
+"""One deployctl run at a time per deployment: a lock held on the head for the whole run.
+
+An SSH session to the head runs `flock -n LOCKFILE -c '...; echo LOCKED; exec cat'`: the lock is
+taken without waiting, the holder is written into the lock file (so a refused run can say who holds
+it), and `cat` keeps the lock until its stdin closes. Closing the session releases it; so does the
+controller dying or being killed (sshd ends the session), so a stale lock cannot outlive its run.
+"""
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import select
+import shlex
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import StageFailed
+from ..executors.ssh import SSHError, SSHSession, command_line
+from .remote import ssh_target
+
+if TYPE_CHECKING:
+    from ..deployment import Deployment
+
+LOCK_DIR = "/var/lock"
+BUSY = 75                    # flock -E: exit code when the lock is held by someone else
+ACQUIRE_TIMEOUT_S = 20.0
+
+
+class LockHeld(StageFailed):
+    """Another run holds the deployment's lock (exit 1)."""
+
+
+def lock_path(deployment: str) -> str:
+    return f"{LOCK_DIR}/deployctl-{re.sub(r'[^A-Za-z0-9_.-]', '_', deployment)}.lock"
+
+
+def holder_text(command: str) -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name (container without passwd entry)
+        user = str(os.getuid())
+    return (f"deployctl {command} by {user}@{socket.gethostname()} pid {os.getpid()} "
+            f"since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+
+
+class HeadLock:
+    """Context manager: the deployment's lock on its head, for the duration of the block."""
+
+    def __init__(self, dep: "Deployment", command: str, timeout: float = ACQUIRE_TIMEOUT_S):
+        self.dep, self.command, self.timeout = dep, command, timeout
+        self.head = dep.cluster.head_host
+        self.path = lock_path(dep.name)
+        self._session: SSHSession | None = None
+        self._ch = None
+
+    def __enter__(self) -> "HeadLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        head, path = self.head.name, self.path
+        try:
+            self._session = ssh_target(self.dep, self.head).connect()
+        except SSHError as e:
+            raise StageFailed(f"cannot take the deployment lock {path} on the head {head}: {e}") from None
+        inner = (f"printf '%s\\n' {shlex.quote(holder_text(self.command))} > {shlex.quote(path)}; "
+                 "echo LOCKED; exec cat")
+        cmd = command_line(["flock", "-n", "-E", str(BUSY), path, "-c", inner])
+        try:
+            self._ch = self._session.transport.open_session(timeout=self.timeout)
+            self._ch.exec_command(cmd)
+        except Exception as e:  # noqa: BLE001 - paramiko raises several kinds here
+            self.release()
+            raise StageFailed(f"cannot take the deployment lock {path} on the head {head}: {e}") from None
+        out, err = self._wait()
+        if "LOCKED" in out:
+            return
+        rc = self._ch.recv_exit_status() if self._ch.exit_status_ready() else None
+        holder = ""
+        if rc == BUSY:
+            try:
+                holder = self._session.run(["cat", path], timeout=10).stdout.strip()
+            except SSHError:
+                pass
+        self.release()
+        if rc == BUSY:
+            raise LockHeld(f"deployment {self.dep.name} is locked on the head {head} ({path}): another "
+                           f"deployctl run is using this cluster ({holder or 'holder unknown'}). Wait for "
+                           f"it to finish or stop it (the lock is released when that run ends)")
+        raise StageFailed(f"cannot take the deployment lock {path} on the head {head}: flock exited "
+                          f"{rc}: {err.strip()[-300:] or out.strip()[-300:] or 'no output'}")
+
+    def _wait(self) -> tuple[str, str]:
+        ch, out, err = self._ch, b"", b""
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            while ch.recv_ready():
+                out += ch.recv(4096)
+            while ch.recv_stderr_ready():
+                err += ch.recv_stderr(4096)
+            if b"LOCKED" in out or (ch.exit_status_ready() and not ch.recv_ready()
+                                    and not ch.recv_stderr_ready()):
+                break
+            select.select([ch], [], [], 0.1)
+        return out.decode(errors="replace"), err.decode(errors="replace")
+
+    def release(self) -> None:
+        """Close the lock's session: `cat` sees EOF, flock exits, the lock is free."""
+        if self._ch is not None:
+            try:
+                self._ch.shutdown_write()
+                self._ch.close()
+            except Exception:  # noqa: BLE001 - closing a dead channel
+                pass
+            self._ch = None
+        if self._session is not None:
+            self._session.close()
+            self._session = None

@@ -1,0 +1,388 @@
+"""launch + health end to end on the 4-host test cluster, with the engine double as vLLM / SGLang.
+
+Each host's Docker engine gets the double's image (dctl-engine-double:test); the inventories are the
+cluster fixture's, with recipe_overrides pointing the recipes at the double, expect_gpus false, a
+tiny checkpoint folder and the staged data the engines check (Engram rows per rank, one PLE file).
+`deployctl` runs as a subprocess, like an operator runs it. Every wait is bounded.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import yaml
+
+from orchestrator.deployment import load_deployment
+from orchestrator.launch.render import engine_argv
+from orchestrator.tables.geometry import rank_ranges
+from tests.cluster import ensure_base_images, image_present
+
+pytestmark = pytest.mark.cluster
+REPO = Path(__file__).resolve().parents[1]
+IMAGE = "dctl-engine-double:test"
+DOUBLE_DIR = REPO / "tests" / "engine_double"
+TP4, TP4_DEP, TP4_PORT = "deepseek-v41-flash-tp4", "lt4", 18000
+QWEN, QWEN_DEP, QWEN_PORT = "qwen38-flash-next-spark", "lt1", 18001
+RECORD = "/tmp/dctl-record"          # inside the containers: the double's argv records
+TOKEN = "hf_launchtestsecret0123456789"
+
+# Fast settings for the double and the health loop (the real recipes wait up to 90 minutes).
+FAST = {
+    "engine.image": IMAGE,
+    "engine.env.DOUBLE_LOAD_S": "1",
+    "engine.env.DOUBLE_TTFT_MS": "20",
+    "engine.env.DOUBLE_JOIN_TIMEOUT_S": "60",
+    "engine.env.DOUBLE_RECORD_DIR": RECORD,
+    "health.startup_timeout_s": 60,
+    "health.poll_interval_s": 0.5,
+    "health.request_timeout_s": 10,
+    "health.stay_up_s": 2,
+}
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def _docker(engine: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", "-H", engine, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _image_id(engine: str) -> str:
+    return _docker(engine, "image", "inspect", "--format", "{{.Id}}", IMAGE).stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def double_image(cluster) -> str:
+    """The engine double's image in every test host's engine (built locally first if needed)."""
+    ensure_base_images()
+    local = "unix:///var/run/docker.sock"
+    if not image_present(IMAGE, local):
+        p = subprocess.run(["docker", "build", "-q", "--build-arg", "BASE=dctl-debian:bookworm", "-t", IMAGE,
+                            str(DOUBLE_DIR)], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr
+    want = _image_id(local)
+    errors: list[str] = []
+
+    def load(h) -> None:
+        if _image_id(h.docker_host) != want:
+            try:
+                cluster.load_image(h, IMAGE)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(f"{h.name}: {e}")
+    threads = [threading.Thread(target=load, args=(h,)) for h in cluster.hosts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    return want
+
+
+def write_inventory(cluster, path: Path, deployment: str, recipe: str, hosts: list[str], port: int,
+                    overrides: dict) -> Path:
+    data = yaml.safe_load(cluster.inventory_path.read_text())
+    v = data["all"]["vars"]
+    v.update(deployment=deployment, recipe=recipe, api_port=port, expect_gpus=False,
+             run_dir=str(path.parent / "runs"), recipe_overrides={**FAST, **overrides})
+    data["all"]["hosts"] = {n: data["all"]["hosts"][n] for n in hosts}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def dctl(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = {**os.environ, "COLUMNS": "200", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=e)
+
+
+def containers(cluster, host: str, deployment: str) -> list[str]:
+    p = _docker(cluster.host(host).docker_host, "ps", "-aq", "--filter", f"label=deployctl.deployment={deployment}")
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split()
+
+
+def leftovers(cluster, deployment: str, hosts=None) -> dict[str, list[str]]:
+    names = hosts or [h.name for h in cluster.hosts]
+    return {n: c for n in names if (c := containers(cluster, n, deployment))}
+
+
+def remove_all(cluster, deployment: str) -> None:
+    for h in cluster.hosts:
+        ids = containers(cluster, h.name, deployment)
+        if ids:
+            _docker(h.docker_host, "rm", "-f", *ids)
+
+
+def out(p: subprocess.CompletedProcess) -> str:
+    return p.stdout + p.stderr
+
+
+def unwrap(text: str) -> str:
+    """Console output with line wrapping undone (words split across lines joined again)."""
+    return re.sub(r"\s+", " ", text)
+
+
+@pytest.fixture(scope="module")
+def tp4(cluster, double_image, tmp_path_factory) -> Path:
+    """A 4-host inventory for the TP=4 vLLM recipe on the double, with each rank's Engram rows staged."""
+    d = tmp_path_factory.mktemp("tp4")
+    inv = write_inventory(cluster, d / "inventory.yml", TP4_DEP, TP4, [h.name for h in cluster.hosts], TP4_PORT,
+                          {"engine.master_port": 29611, "engine.env.DOUBLE_ENGRAM_DIR": "/engram"})
+    dep = load_deployment(inv)
+    g = dep.recipe.engram.geometry
+    for h in dep.cluster.hosts:
+        ck = Path(dep.checkpoint_dir(h))
+        ck.mkdir(parents=True, exist_ok=True)
+        (ck / "config.json").write_text('{"model_type": "deepseek_v41"}\n')
+        stage_engram(Path(dep.engram_dir(h)), g, h.rank)
+    remove_all(cluster, TP4_DEP)
+    yield inv
+    remove_all(cluster, TP4_DEP)
+
+
+def stage_engram(folder: Path, geometry, rank: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    layers = {str(r.layer): [r.row_start, r.row_end] for r in rank_ranges(geometry, 4, rank)}
+    (folder / "engram-local.json").write_text(json.dumps({"layers": layers}))
+
+
+def up(inv: Path, *extra: str, timeout: float = 240, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    p = dctl("up", "-i", str(inv), "--only", "launch", "--only", "health", *extra, timeout=timeout, env=env)
+    return p, time.monotonic() - t0
+
+
+def rendered_argv(inv: Path, host: str, *sets: str) -> list[str]:
+    dep = load_deployment(inv, None, sets)
+    return list(engine_argv(dep, dep.cluster.host(host), dep.cluster.head_host.address))
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+def test_tp4_up_healthy_then_noop_status_logs_down(cluster, tp4):
+    env = {"DCTL_LAUNCH_TOKEN": TOKEN}
+    secret = "engine.env.HF_TOKEN=${DCTL_LAUNCH_TOKEN}"
+    p, took = up(tp4, "--set", secret, env=env)
+    print(f"\nTP=4 up (launch + health) to healthy: {took:.1f}s")
+    assert p.returncode == 0, out(p)
+    text = unwrap(out(p))
+    assert "API answered" in text and "chat answered" in text
+    assert TOKEN not in out(p)
+    run_dir = Path(re.search(r"run record (\S+)", text).group(1))
+    assert TOKEN not in "".join(f.read_text(errors="replace") for f in run_dir.rglob("*") if f.is_file())
+
+    for h in cluster.hosts:
+        ids = containers(cluster, h.name, TP4_DEP)
+        assert len(ids) == 1, (h.name, ids)
+        doc = json.loads(_docker(h.docker_host, "inspect", ids[0]).stdout)[0]
+        want = rendered_argv(tp4, h.name)
+        assert doc["Config"]["Cmd"] == want, h.name
+        assert doc["Config"]["Labels"]["deployctl.rank"] == str(h.rank)
+        assert f"HF_TOKEN={TOKEN}" in doc["Config"]["Env"], "the ${VAR} was expanded at launch"
+        rec = _docker(h.docker_host, "exec", ids[0], "cat", f"{RECORD}/argv-vllm-rank{h.rank}.json")
+        assert rec.returncode == 0, rec.stderr
+        assert json.loads(rec.stdout)["argv"] == want, "the engine received exactly the rendered argv"
+        env_rec = json.loads(rec.stdout)["env"]
+        assert env_rec["VLLM_HOST_IP"] == h.address and env_rec["NCCL_SOCKET_IFNAME"] == "eth0"
+    master = dict(zip(want, want[1:]))["--master-addr"]
+    assert master == cluster.hosts[0].address, "workers join the head's fabric address"
+
+    # A re-run on the healthy cluster: launch is skipped, health only checks.
+    p, took = up(tp4, "--set", secret, env=env)
+    print(f"no-op re-run: {took:.1f}s")
+    assert p.returncode == 0, out(p)
+    text = unwrap(out(p))
+    assert text.count("skip already running") == 4, text
+    assert "started deployctl" not in text
+    assert took < 30
+
+    p = dctl("health", "-i", str(tp4), "--json")
+    assert p.returncode == 0, out(p)
+    assert [s["status"] for s in json.loads(p.stdout)["stages"]] == ["ok"]
+
+    p = dctl("status", "-i", str(tp4), "--json")
+    assert p.returncode == 0, out(p)
+    doc = json.loads(p.stdout)
+    assert doc["api"]["healthy"] is True
+    for row in doc["hosts"]:
+        assert row["reachable"] and [c["status"] for c in row["containers"]] == ["running"], row
+        assert row["staged"]["engram"]["rank_ok"] is True
+        assert row["containers"][0]["image_id"] == row["image"]["id"]
+    p = dctl("status", "-i", str(tp4))
+    assert p.returncode == 0 and "running" in p.stdout and "engram ok" in p.stdout, out(p)
+
+    p = dctl("logs", "-i", str(tp4), "--host", "node3", "--tail", "50")
+    assert p.returncode == 0, out(p)
+    assert "node3" in p.stdout and "rank2" in p.stdout and "rank0" not in p.stdout
+
+    p = dctl("down", "-i", str(tp4))
+    assert p.returncode == 0, out(p)
+    assert unwrap(out(p)).count("stopped and removed deployctl-lt4") == 4
+    assert leftovers(cluster, TP4_DEP) == {}, "down removed every container on all 4 engines"
+    p = dctl("down", "-i", str(tp4))
+    assert p.returncode == 0 and unwrap(out(p)).count("no container of lt4 here") == 4, out(p)
+
+
+def _failed_host(p: subprocess.CompletedProcess) -> list[str]:
+    return re.findall(r"^(\S+): stage (\S+) failed", p.stderr, re.M)
+
+
+@pytest.mark.parametrize("sets, host, needles", [
+    (("engine.env.DOUBLE_FAIL=crash-at-start", "engine.env.DOUBLE_FAIL_RANK=2"), "node3",
+     ("exited with exit code 3", "simulated crash at start")),
+    (("engine.env.DOUBLE_FAIL=never-ready", "health.startup_timeout_s=5"), "node1",
+     ("did not answer within health.startup_timeout_s 5s", "stuck at 90%")),
+], ids=["crash-at-start-rank2", "never-ready"])
+def test_failure_mode_names_the_host_with_its_log(cluster, tp4, sets, host, needles):
+    p, _ = up(tp4, *[a for s in sets for a in ("--set", s)])
+    assert p.returncode == 1, out(p)
+    assert _failed_host(p) == [(host, "health")], p.stderr
+    text = unwrap(p.stderr)
+    for needle in needles:
+        assert needle in text, text
+    assert leftovers(cluster, TP4_DEP) == {}, "a failed up removes the containers it started"
+
+
+def test_crash_later_names_the_worker(cluster, tp4):
+    p, _ = up(tp4, "--set", "engine.env.DOUBLE_FAIL=crash-later", "--set", "engine.env.DOUBLE_FAIL_RANK=3",
+              "--set", "engine.env.DOUBLE_CRASH_AFTER_S=1", "--set", "health.stay_up_s=6", "--keep-on-failure")
+    assert p.returncode == 1, out(p)
+    assert _failed_host(p) == [("node4", "health")], p.stderr
+    text = unwrap(p.stderr)
+    assert "exited with exit code 4" in text and "crash 1 s after ready" in text
+    assert set(leftovers(cluster, TP4_DEP)) == {"node1", "node2", "node3", "node4"}, \
+        "--keep-on-failure leaves them for debugging"
+    p = dctl("status", "-i", str(tp4), "--json")
+    rows = {r["host"]: r for r in json.loads(p.stdout)["hosts"]}
+    assert rows["node4"]["containers"][0]["status"] == "exited"
+    assert rows["node4"]["containers"][0]["exit_code"] == 4
+    assert dctl("down", "-i", str(tp4)).returncode == 0
+    assert leftovers(cluster, TP4_DEP) == {}
+
+
+def test_wrong_engram_rows_refused_before_anything_starts(cluster, tp4):
+    dep = load_deployment(tp4)
+    node3 = dep.cluster.host("node3")
+    folder = Path(dep.engram_dir(node3))
+    try:
+        stage_engram(folder, dep.recipe.engram.geometry, 1)        # rank 1's rows on rank 2's host
+        p, _ = up(tp4)
+        assert p.returncode == 1, out(p)
+        assert _failed_host(p) == [("node3", "launch")], p.stderr
+        assert "those are rank 1's rows" in unwrap(p.stderr)
+        assert leftovers(cluster, TP4_DEP) == {}, "refused before any host was touched"
+        p = dctl("status", "-i", str(tp4), "--json")
+        rows = {r["host"]: r for r in json.loads(p.stdout)["hosts"]}
+        assert rows["node3"]["staged"]["engram"]["rank_ok"] is False
+    finally:
+        stage_engram(folder, dep.recipe.engram.geometry, 2)
+
+
+@contextlib.contextmanager
+def background_up(inv: Path, log: Path, *sets: str) -> Iterator[subprocess.Popen]:
+    """`deployctl up --only launch --only health` in the background (output in LOG), yielded once
+    health waits for the API; killed at the end if it still runs."""
+    args = [sys.executable, "-m", "orchestrator", "up", "-i", str(inv), "--only", "launch", "--only", "health",
+            *sets]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "COLUMNS": "200"})
+    try:
+        deadline = time.monotonic() + 120
+        while "waiting for the API" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"health never started waiting:\n{log.read_text()}"
+            time.sleep(0.2)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_worker_cut_during_health_is_named_then_down_reports_it(cluster, tp4):
+    log = tp4.parent / "cut.log"
+    try:
+        with background_up(tp4, log, "--set", "engine.env.DOUBLE_LOAD_S=60", "--keep-on-failure") as proc:
+            cluster.link_down("node3")
+            rc = proc.wait(timeout=120)
+        text = log.read_text()
+        assert rc == 1, text
+        assert re.findall(r"^(\S+): stage (\S+) failed", text, re.M) == [("node3", "health")], text
+        assert "node3: stage health failed: unreachable" in text
+        # down while node3 is cut off: the others are cleared, node3 is named, exit 1.
+        p = dctl("down", "-i", str(tp4))
+        assert p.returncode == 1, out(p)
+        assert _failed_host(p) == [("node3", "down")], p.stderr
+        assert "could not reach the host" in unwrap(p.stderr)
+        assert leftovers(cluster, TP4_DEP, ["node1", "node2", "node4"]) == {}
+    finally:
+        cluster.link_up("node3")
+    p = dctl("down", "-i", str(tp4))
+    assert p.returncode == 0, out(p)
+    assert leftovers(cluster, TP4_DEP) == {}
+
+
+def test_second_up_is_refused_by_the_lock_and_ctrl_c_leaves_no_container(cluster, tp4):
+    log = tp4.parent / "first.log"
+    with background_up(tp4, log, "--set", "engine.env.DOUBLE_LOAD_S=600") as first:
+        assert set(leftovers(cluster, TP4_DEP)) == {"node1", "node2", "node3", "node4"}
+        second, took = up(tp4, timeout=60)
+        assert second.returncode == 1, out(second)
+        assert took < 30, "refused at once, not after waiting"
+        text = unwrap(second.stderr)
+        assert "locked on the head node1" in text and "/var/lock/deployctl-lt4.lock" in text
+        assert f"pid {first.pid}" in text, "names the holder"
+        assert "> launch" not in second.stderr, "the second up touched nothing"
+
+        first.send_signal(signal.SIGINT)        # Ctrl-C while the engines are still loading
+        rc = first.wait(timeout=90)
+    text = log.read_text()
+    assert rc == 130, text
+    assert "interrupted (Ctrl-C)" in text and text.count("(verified)") == 4, text
+    assert leftovers(cluster, TP4_DEP) == {}, "Ctrl-C leaves no container behind"
+    p = dctl("down", "-i", str(tp4))
+    assert p.returncode == 0, "the lock was released with its run: " + out(p)
+
+
+def test_sglang_single_host(cluster, double_image, tmp_path):
+    inv = write_inventory(cluster, tmp_path / "inventory.yml", QWEN_DEP, QWEN, ["node1"], QWEN_PORT, {})
+    dep = load_deployment(inv)
+    h = dep.cluster.host("node1")
+    Path(dep.checkpoint_dir(h)).mkdir(parents=True, exist_ok=True)
+    ple = Path(dep.ple_dir(h))
+    ple.mkdir(parents=True, exist_ok=True)
+    for old in ple.glob("ple_table_*.bin"):
+        old.unlink()
+    (ple / "ple_table_16x160_F8_E4M3_2560B.bin").write_bytes(b"\x01" * 2560)
+    try:
+        p, took = up(inv)
+        print(f"\nSGLang TP=1 up to healthy: {took:.1f}s")
+        assert p.returncode == 0, out(p)
+        ids = containers(cluster, "node1", QWEN_DEP)
+        assert len(ids) == 1
+        doc = json.loads(_docker(h.docker_host, "inspect", ids[0]).stdout)[0]
+        want = rendered_argv(inv, "node1")
+        assert doc["Config"]["Cmd"] == want
+        assert want[:3] == ["python3", "-m", "sglang.launch_server"] and "--ple-offload-dir" in want
+        assert {"Source": str(ple), "Destination": "/ple"}.items() <= \
+            next(m for m in doc["Mounts"] if m["Destination"] == "/ple").items()
+        logs = dctl("logs", "-i", str(inv), "--tail", "200")
+        assert "PLE table memory-mapped" in logs.stdout, out(logs)
+        p = dctl("status", "-i", str(inv))
+        assert p.returncode == 0 and "ple 1 table" in p.stdout, out(p)
+        p, took = up(inv)
+        assert p.returncode == 0 and "skip already running" in p.stderr, out(p)
+    finally:
+        p = dctl("down", "-i", str(inv))
+        assert p.returncode == 0, out(p)
+    assert leftovers(cluster, QWEN_DEP, ["node1"]) == {}

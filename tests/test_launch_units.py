@@ -1,0 +1,187 @@
+"""Launch / health / lifecycle pieces that need no cluster: argv, staged-row checks, log progress,
+docker inspect parsing, Ctrl-C handling in the runner, the API checks against a local engine double."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from orchestrator import runner
+from orchestrator.deployment import load_deployment
+from orchestrator.launch import api, probe
+from orchestrator.launch.containers import _parse_time, parse_list, run_argv
+from orchestrator.launch.lock import lock_path
+from orchestrator.launch.render import SPEC_LABEL, container_spec
+from orchestrator.paths import INVENTORIES_DIR
+from orchestrator.plan import Action, Plan, StagePlan, build_plan
+from orchestrator.runrecord import RunContext
+from orchestrator.stages.base import HostFailure, Stage, run_per_host
+
+DOUBLE = Path(__file__).resolve().parent / "engine_double" / "engine_double.py"
+
+
+def spark4():
+    return load_deployment(INVENTORIES_DIR / "spark4.yml")
+
+
+def test_run_argv_passes_secrets_on_stdin_and_the_engine_with_h():
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml", None, ("engine.env.HF_TOKEN=${HF_TOKEN}",))
+    h = dep.cluster.host("spark2")
+    spec = container_spec(dep, h, None, None)
+    argv = run_argv(spec, "unix:///run/x.sock")
+    assert argv[:6] == ["docker", "-H", "unix:///run/x.sock", "run", "-d", "--env-file"]
+    assert argv[6] == "/dev/stdin"
+    assert not any("HF_TOKEN" in a for a in argv), "a ${VAR} value never reaches the command line"
+    assert f"{SPEC_LABEL}={spec.digest}" in argv, "the spec digest is a label"
+    plain = spec.docker_run_argv()
+    i = plain.index("HF_TOKEN=${HF_TOKEN}")
+    assert argv[7:] == plain[3:i - 1] + plain[i + 1:], "otherwise the plan's exact command"
+    # No ${VAR}: exactly the plan's command, with -H.
+    spec2 = replace(spec, env={"OMP_NUM_THREADS": "1"})
+    assert run_argv(spec2, "unix:///e")[5:] == spec2.docker_run_argv()[3:]
+
+
+def test_plan_shows_the_spec_label_and_health_watches_every_host():
+    plan = build_plan(spark4(), ("launch", "health"))
+    for a in plan.stage("launch").actions:
+        assert f"{SPEC_LABEL}={a.digest}" in a.command
+    health = plan.stage("health").actions
+    assert [a.host for a in health] == ["spark1", "spark2", "spark3", "spark4"]
+    assert "/v1/chat/completions" in health[0].api and "Count from 1 to 10." in health[0].api
+    assert all("deployctl.deployment=spark4" in a.command for a in health[1:])
+
+
+def test_engram_rows_of_another_rank_are_named():
+    dep = spark4()
+    h = dep.cluster.host("spark3")
+    mine, other = probe.expected_engram(dep, 2), probe.expected_engram(dep, 1)
+    assert mine != other and set(mine) == {"1", "14"}
+    ok = {"engram": {"local": {"layers": mine}}}
+    assert probe.engram_problem(dep, h, ok) is None
+    msg = probe.engram_problem(dep, h, {"engram": {"local": {"layers": other}}})
+    assert "do not match rank 2" in msg and "those are rank 1's rows" in msg
+    msg = probe.engram_problem(dep, h, {"engram": {"local": None, "error": "missing"}})
+    assert "no Engram rows staged for rank 2" in msg and "engram-local.json" in msg
+    # Placement memory: nothing staged on NVMe, nothing to check.
+    mem = load_deployment(INVENTORIES_DIR / "spark8.yml", "deepseek-v41-flash-tp8-mem")
+    assert probe.engram_problem(mem, mem.cluster.hosts[0], {}) is None
+
+
+def test_progress_line_and_times():
+    lines = ["INFO starting", "INFO Loading weights: 30% (14/48 shards)", "INFO Loading weights: 40% (19/48)",
+             "DEBUG something else"]
+    assert api.progress_line(lines) == "INFO Loading weights: 40% (19/48)"
+    assert api.progress_line([]) == ""
+    assert _parse_time("0001-01-01T00:00:00Z") is None
+    assert _parse_time("2026-09-01T12:00:00.123456789Z") == pytest.approx(1788264000.123456, abs=1e-5)
+
+
+def test_parse_list_uptime_from_the_host_clock():
+    doc = [{"Id": "a" * 64, "Name": "/deployctl-x", "RestartCount": 0, "Image": "sha256:" + "b" * 64,
+            "State": {"Status": "running", "ExitCode": 0, "StartedAt": "2026-09-01T12:00:00.5Z"},
+            "Config": {"Labels": {SPEC_LABEL: "abc", "deployctl.rank": "1"}}},
+           {"Id": "c" * 64, "Name": "/deployctl-y", "RestartCount": 2, "Image": "sha256:x",
+            "State": {"Status": "exited", "ExitCode": 3, "StartedAt": "2026-09-01T12:00:00Z",
+                      "Error": ""}, "Config": {"Labels": {}}}]
+    now = 1788264000 + 90
+    cs = parse_list(0, f"{now}\n{json.dumps(doc)}", "", "unix:///e")
+    assert [c.name for c in cs] == ["deployctl-x", "deployctl-y"]
+    assert cs[0].running and cs[0].uptime_s == pytest.approx(89.5) and cs[0].spec == "abc"
+    assert not cs[1].running and cs[1].uptime_s is None
+    assert "exited with exit code 3" in cs[1].describe() and "restarts 0" in cs[0].describe()
+    assert parse_list(0, f"{now}\n", "", "e") == []
+    with pytest.raises(HostFailure, match="does not answer"):
+        parse_list(3, "", "Cannot connect to the Docker daemon", "unix:///e")
+
+
+def test_lock_path_is_safe():
+    assert lock_path("spark4") == "/var/lock/deployctl-spark4.lock"
+    assert lock_path("a b/../c") == "/var/lock/deployctl-a_b_.._c.lock"
+
+
+def _fake_plan(dep, apply):
+    stage = Stage("launch", lambda d: ([], ""), apply)
+    plan = Plan(dep, (StagePlan("launch", tuple(Action("launch", h.name, "x", "x") for h in dep.cluster.hosts)),))
+    return stage, plan
+
+
+def test_ctrl_c_cancels_worker_threads_at_once_and_runs_the_cleanups(tmp_path, monkeypatch):
+    dep = spark4()
+    seen: dict[str, bool] = {}
+    cleaned: list[str] = []
+
+    def apply(d, actions, ctx):
+        ctx.options.setdefault("cleanups", []).append(lambda: cleaned.append("removed"))
+
+        def one(action, log):
+            seen[action.host] = ctx.cancel.wait(30)          # a long poll loop, waiting on cancel
+            raise HostFailure("cancelled")
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return run_per_host(actions, ctx, one)
+    stage, plan = _fake_plan(dep, apply)
+    monkeypatch.setattr(runner, "get_stage", lambda name: stage)
+    ctx = RunContext(tmp_path / "run")
+    t0 = time.monotonic()
+    out = runner.run(plan, ctx, "up")
+    ctx.close()
+    assert time.monotonic() - t0 < 10, "the threads saw ctx.cancel at once"
+    assert out.status == "cancelled" and out.exit_code == 130
+    assert seen and all(seen.values())
+    assert cleaned == ["removed"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler is restored"
+
+
+def test_a_failed_stage_runs_the_failure_cleanups(tmp_path, monkeypatch):
+    dep = spark4()
+    cleaned: list[str] = []
+
+    def apply(d, actions, ctx):
+        ctx.options.setdefault("failure_cleanups", []).append(lambda: cleaned.append("removed"))
+        return run_per_host(actions, ctx, lambda a, log: (_ for _ in ()).throw(HostFailure("boom")))
+    stage, plan = _fake_plan(dep, apply)
+    monkeypatch.setattr(runner, "get_stage", lambda name: stage)
+    ctx = RunContext(tmp_path / "run")
+    out = runner.run(plan, ctx, "up")
+    ctx.close()
+    assert out.exit_code == 1 and cleaned == ["removed"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_api_checks_against_a_local_engine_double(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "DOUBLE_LOAD_S": "0", "DOUBLE_TTFT_MS": "5", "DOUBLE_TOKENS_PER_S": "1000"}
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(DOUBLE), "vllm", "serve", "/m", "--served-model-name", "dsv",
+                                 "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=log, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with api.http_client() as client:
+            deadline = time.monotonic() + 20
+            chk = api.check(client, base, "dsv", "Count from 1 to 10.", 50, 5)
+            while not chk.ok and time.monotonic() < deadline:
+                assert chk.step == "health" and not chk.fatal, chk
+                time.sleep(0.1)
+                chk = api.check(client, base, "dsv", "Count from 1 to 10.", 50, 5)
+            assert chk.ok and chk.step == "done" and "1, 2, 3" in chk.detail, chk
+            wrong = api.check(client, base, "other-name", "Count from 1 to 10.", 50, 5)
+            assert not wrong.ok and wrong.fatal and "other-name" in wrong.detail
+    finally:
+        proc.kill()
+        proc.wait()
+    with api.http_client() as client:
+        down = api.check(client, base, "dsv", None, 1, 2)
+    assert not down.ok and "connection refused" in down.detail
