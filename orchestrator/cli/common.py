@@ -11,7 +11,7 @@ from rich.console import Console
 
 from ..errors import DeployctlError
 
-STDERR = Console(stderr=True, highlight=False)
+STDERR = Console(stderr=True, highlight=False, soft_wrap=True)   # long paths stay on one line
 
 
 def inventory_option(f: Callable) -> Callable:

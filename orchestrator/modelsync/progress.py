@@ -61,5 +61,6 @@ class Progress:
 
     def describe(self, now: float) -> str:
         rate = self.rate(now)
-        eta = hms((self.total - self.done) / rate) if rate > 0 and self.done else "?"
+        # The first bytes arrive before the transfer reaches speed: no ETA from under 1% done.
+        eta = hms((self.total - self.done) / rate) if rate > 0 and self.done * 100 >= self.total else "?"
         return f"{gb(self.done)} of {gb(self.total)} ({self.pct:.0f}%) at {rate / 1e6:.1f} MB/s, ETA {eta}"
