@@ -59,13 +59,16 @@ def run(plan: Plan, ctx: RunContext, command: str = "up") -> RunOutcome:
     started = time.time()
     outcomes: list[StageOutcome] = []
     status, code, error = "ok", 0, ""
-    previous = _cancel_on_sigint(ctx)
+    previous = signal.getsignal(signal.SIGINT) if _main_thread() else None
     try:
         for sp in plan.stages:
             if ctx.cancel.is_set():
                 status, code = "cancelled", 130
                 break
             st = get_stage(sp.name)
+            # (Re-)armed for every stage: a library run by an earlier stage (ansible-runner) may have
+            # put its own SIGINT handler in place and left it there.
+            _cancel_on_sigint(ctx)
             ctx.event("stage-start", stage=sp.name, actions=len(sp.actions))
             t0 = time.monotonic()
             if not sp.actions:
@@ -110,16 +113,20 @@ def say_results(ctx: RunContext, results: list[HostResult]) -> None:
         ctx.say(f"  {r.host}: {mark} {escape(r.message)}")
 
 
-def _cancel_on_sigint(ctx: RunContext):
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _cancel_on_sigint(ctx: RunContext) -> None:
     """Ctrl-C: set ctx.cancel before KeyboardInterrupt unwinds, so worker threads (which the main
-    thread waits for) see it and stop at once. Returns the previous handler (None: not installed)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
+    thread waits for) see it and stop at once. Signal handlers can only be set in the main thread."""
+    if not _main_thread():
+        return
 
     def on_sigint(signum, frame):
         ctx.cancel.set()
         raise KeyboardInterrupt
-    return signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGINT, on_sigint)
 
 
 def _run_cleanups(ctx: RunContext, key: str) -> None:
@@ -127,7 +134,7 @@ def _run_cleanups(ctx: RunContext, key: str) -> None:
     fns = list(reversed(ctx.options.get(key, [])))
     if not fns:
         return
-    main = threading.current_thread() is threading.main_thread()
+    main = _main_thread()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         for fn in fns:

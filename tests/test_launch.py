@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -150,9 +151,15 @@ def tp4(cluster, double_image, tmp_path_factory) -> Path:
 
 
 def stage_engram(folder: Path, geometry, rank: int) -> None:
+    """What `deployctl stage` leaves for a rank, as far as launch and the engine read it: the manifest
+    (rank, tp, row ranges per layer) and engram-local.json."""
     folder.mkdir(parents=True, exist_ok=True)
-    layers = {str(r.layer): [r.row_start, r.row_end] for r in rank_ranges(geometry, 4, rank)}
-    (folder / "engram-local.json").write_text(json.dumps({"layers": layers}))
+    ranges = rank_ranges(geometry, 4, rank)
+    manifest = {"format": "deployctl-engram-manifest", "version": 1, "complete": True, "rank": rank, "tp": 4,
+                "layers": {str(r.layer): {"row_start": r.row_start, "row_end": r.row_end} for r in ranges}}
+    (folder / "engram-manifest.json").write_text(json.dumps(manifest))
+    (folder / "engram-local.json").write_text(json.dumps({"layers": {str(r.layer): [r.row_start, r.row_end]
+                                                                     for r in ranges}}))
 
 
 def up(inv: Path, *extra: str, timeout: float = 240, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
@@ -380,6 +387,22 @@ def test_sglang_single_host(cluster, double_image, tmp_path):
         assert "PLE table memory-mapped" in logs.stdout, out(logs)
         p = dctl("status", "-i", str(inv))
         assert p.returncode == 0 and "ple 1 table" in p.stdout, out(p)
+        # --follow streams until Ctrl-C, then exits 0
+        follow = subprocess.Popen([sys.executable, "-m", "orchestrator", "logs", "-i", str(inv), "--follow",
+                                   "--tail", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd=REPO)
+        try:
+            assert select.select([follow.stdout], [], [], 30)[0], "logs --follow printed nothing in 30 s"
+            first = follow.stdout.readline()
+            assert first.startswith("node1 | "), first
+            dctl("health", "-i", str(inv))                # new requests -> new lines while following
+            follow.send_signal(signal.SIGINT)
+            rest, _ = follow.communicate(timeout=30)
+        finally:
+            if follow.poll() is None:
+                follow.kill()
+                follow.wait()
+        assert follow.returncode == 0 and "POST /v1/chat/completions" in rest, rest
         p, took = up(inv)
         assert p.returncode == 0 and "skip already running" in p.stderr, out(p)
     finally:

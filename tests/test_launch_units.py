@@ -60,17 +60,28 @@ def test_plan_shows_the_spec_label_and_health_watches_every_host():
     assert all("deployctl.deployment=spark4" in a.command for a in health[1:])
 
 
+def staged_texts(folder: str, layers: dict | None, rank: int, manifest: bool = True) -> dict:
+    """What the host sends back for its Engram folder: the two files' texts (None: missing)."""
+    local = json.dumps({"layers": layers}) if layers is not None else None
+    man = json.dumps({"rank": rank, "tp": 4, "layers": {k: {"row_start": v[0], "row_end": v[1]}
+                                                        for k, v in layers.items()}}) if layers and manifest else None
+    return {"engram": {"dir": folder, "texts": {"engram-local.json": local, "engram-manifest.json": man}}}
+
+
 def test_engram_rows_of_another_rank_are_named():
     dep = spark4()
     h = dep.cluster.host("spark3")
+    folder = dep.engram_dir(h)
     mine, other = probe.expected_engram(dep, 2), probe.expected_engram(dep, 1)
     assert mine != other and set(mine) == {"1", "14"}
-    ok = {"engram": {"local": {"layers": mine}}}
-    assert probe.engram_problem(dep, h, ok) is None
-    msg = probe.engram_problem(dep, h, {"engram": {"local": {"layers": other}}})
-    assert "do not match rank 2" in msg and "those are rank 1's rows" in msg
-    msg = probe.engram_problem(dep, h, {"engram": {"local": None, "error": "missing"}})
-    assert "no Engram rows staged for rank 2" in msg and "engram-local.json" in msg
+    assert probe.engram_problem(dep, h, staged_texts(folder, mine, 2)) is None
+    msg = probe.engram_problem(dep, h, staged_texts(folder, other, 1))
+    assert msg.startswith("Engram rows of rank 2: ") and "those are rank 1's rows" in msg
+    assert "staged for rank 1 of 4" in msg, "engram_stage.check_rank's own words"
+    msg = probe.engram_problem(dep, h, staged_texts(folder, None, 2))
+    assert "no complete Engram staging" in msg and "deployctl stage" in msg
+    msg = probe.engram_problem(dep, h, staged_texts(folder, mine, 2, manifest=False))
+    assert "engram-manifest.json missing" in msg
     # Placement memory: nothing staged on NVMe, nothing to check.
     mem = load_deployment(INVENTORIES_DIR / "spark8.yml", "deepseek-v41-flash-tp8-mem")
     assert probe.engram_problem(mem, mem.cluster.hosts[0], {}) is None
@@ -130,6 +141,7 @@ def test_ctrl_c_cancels_worker_threads_at_once_and_runs_the_cleanups(tmp_path, m
     stage, plan = _fake_plan(dep, apply)
     monkeypatch.setattr(runner, "get_stage", lambda name: stage)
     ctx = RunContext(tmp_path / "run")
+    before = signal.getsignal(signal.SIGINT)
     t0 = time.monotonic()
     out = runner.run(plan, ctx, "up")
     ctx.close()
@@ -137,7 +149,7 @@ def test_ctrl_c_cancels_worker_threads_at_once_and_runs_the_cleanups(tmp_path, m
     assert out.status == "cancelled" and out.exit_code == 130
     assert seen and all(seen.values())
     assert cleaned == ["removed"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler is restored"
+    assert signal.getsignal(signal.SIGINT) is before, "the handler is restored"
 
 
 def test_a_failed_stage_runs_the_failure_cleanups(tmp_path, monkeypatch):

@@ -68,7 +68,9 @@ def host_status(dep: "Deployment", sh: HostShell) -> dict[str, Any]:
     if "engram" in read.staged:
         e = read.staged["engram"]
         problem = probe.engram_problem(dep, h, read.staged)
-        data["engram"] = {"dir": e["dir"], "local": e.get("local") is not None, "manifest": e.get("manifest"),
+        texts = e.get("texts") or {}
+        data["engram"] = {"dir": e["dir"], "local": texts.get("engram-local.json") is not None,
+                          "manifest": texts.get("engram-manifest.json") is not None,
                           "rank_ok": problem is None, "problem": problem}
     if "ple" in read.staged:
         p = read.staged["ple"]

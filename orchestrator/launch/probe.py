@@ -19,26 +19,22 @@ if TYPE_CHECKING:
     from ..deployment import Deployment
     from ..inventory import Host
 
-# File names the staging stages write (orchestrator/tables/engram_stage.py, ple_write.py); the
-# script below runs on hosts with only python3, so it names them itself.
-ENGRAM_LOCAL = "engram-local.json"
-
-# argv[1] = Engram folder or "", argv[2] = PLE folder or "". Prints one JSON object.
+# argv[1] = Engram folder or "", argv[2] = PLE folder or "". Prints one JSON object. The Engram
+# manifest and engram-local.json (small) come back as text, for engram_stage.check_rank; the
+# file names are the staging stages' (tables/engram_stage.py, tables/ple_write.py).
 STAGED_SCRIPT = r"""
 import glob, json, os, sys
 eng, ple = sys.argv[1], sys.argv[2]
 out = {}
 if eng:
-    e = {"dir": eng, "local": None, "error": "",
-         "manifest": os.path.exists(os.path.join(eng, "engram-manifest.json"))}
-    try:
-        with open(os.path.join(eng, "engram-local.json")) as f:
-            e["local"] = json.load(f)
-    except FileNotFoundError:
-        e["error"] = "missing"
-    except (OSError, ValueError) as x:
-        e["error"] = "unreadable: %s" % x
-    out["engram"] = e
+    texts = {}
+    for name in ("engram-local.json", "engram-manifest.json"):
+        try:
+            with open(os.path.join(eng, name)) as f:
+                texts[name] = f.read(1 << 20)
+        except OSError:
+            texts[name] = None
+    out["engram"] = {"dir": eng, "texts": texts}
 if ple:
     out["ple"] = {"dir": ple,
                   "tables": [[os.path.basename(p), os.path.getsize(p)]
@@ -113,33 +109,27 @@ def expected_engram(dep: "Deployment", rank: int) -> dict[str, list[int]]:
     return out
 
 
-def _layers(doc: Any) -> dict[str, list[int]] | None:
-    layers = doc.get("layers", doc) if isinstance(doc, dict) else None
-    if not isinstance(layers, dict):
-        return None
-    try:
-        return {str(k): [int(v[0]), int(v[1])] for k, v in layers.items()}
-    except (TypeError, ValueError, IndexError, KeyError):
-        return None
-
-
 def engram_problem(dep: "Deployment", host: "Host", staged_doc: dict[str, Any]) -> str | None:
-    """Why HOST must not be launched with its staged Engram rows (None: they are its rank's rows)."""
+    """Why HOST must not be launched with its staged Engram rows (None: they are its rank's rows).
+    engram_stage.check_rank decides, reading the two files the host sent back (staged_doc)."""
+    from ..tables.engram_stage import LOCAL_NAME, RankMismatch, check_rank
     r = dep.recipe
     if not (r.engram and r.engram.placement == "nvme"):
         return None
     e = staged_doc.get("engram") or {}
-    path = f"{dep.engram_dir(host)}/{ENGRAM_LOCAL}"
-    if e.get("error") == "missing" or e.get("local") is None:
-        why = e.get("error") or "missing"
-        return (f"no Engram rows staged for rank {host.rank}: {path} is {why} "
-                f"(run `deployctl stage -i {dep.cluster.file}` first)")
-    got = _layers(e["local"])
-    want = expected_engram(dep, host.rank)
-    if got == want:
+    folder = e.get("dir") or dep.engram_dir(host)
+    texts = {f"{folder}/{name}": text for name, text in (e.get("texts") or {}).items()}
+    try:
+        check_rank(folder, expected_engram(dep, host.rank), read_text=texts.get)
         return None
-    owner = next((k for k in range(r.parallelism.nodes) if k != host.rank and expected_engram(dep, k) == got),
-                 None)
+    except RankMismatch as x:
+        why = str(x)
+    try:
+        local = json.loads(texts.get(f"{folder}/{LOCAL_NAME}") or "null")
+    except ValueError:
+        local = None
+    staged = local.get("layers") if isinstance(local, dict) else None
+    owner = next((k for k in range(r.parallelism.nodes)
+                  if staged and k != host.rank and expected_engram(dep, k) == staged), None)
     whose = f" (those are rank {owner}'s rows)" if owner is not None else ""
-    return (f"staged Engram rows do not match rank {host.rank}: {path} holds {json.dumps(got)}{whose}, "
-            f"rank {host.rank} owns {json.dumps(want)}; re-stage with `deployctl stage -i {dep.cluster.file}`")
+    return f"Engram rows of rank {host.rank}: {why}{whose}"
