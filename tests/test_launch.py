@@ -316,6 +316,23 @@ def background_up(inv: Path, log: Path, *sets: str) -> Iterator[subprocess.Popen
             proc.wait()
 
 
+def test_a_stopped_docker_engine_is_named_and_nothing_is_touched(cluster, tp4):
+    cluster.stop_dockerd("node2")
+    try:
+        p, _ = up(tp4)
+        assert p.returncode == 1, out(p)
+        assert _failed_host(p) == [("node2", "launch")], p.stderr
+        assert "Cannot connect to the Docker daemon" in unwrap(p.stderr)
+        assert "nothing changed" in unwrap(p.stdout + p.stderr)
+        p = dctl("status", "-i", str(tp4), "--json")
+        assert p.returncode == 1
+        rows = {r["host"]: r for r in json.loads(p.stdout)["hosts"]}
+        assert rows["node2"]["reachable"] is False and rows["node1"]["reachable"] is True
+    finally:
+        cluster.start_dockerd("node2")
+    assert leftovers(cluster, TP4_DEP) == {}
+
+
 def test_worker_cut_during_health_is_named_then_down_reports_it(cluster, tp4):
     log = tp4.parent / "cut.log"
     try:

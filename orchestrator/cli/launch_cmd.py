@@ -80,7 +80,7 @@ def _status_table(doc: dict[str, Any]) -> Table:
     for row in doc["hosts"]:
         name = f"{row['host']}{' (head)' if row.get('role') == 'head' else ''}"
         if not row.get("reachable"):
-            t.add_row(name, str(row.get("rank", "")), f"[red]unreachable[/red]: {escape(row.get('error', ''))}",
+            t.add_row(name, str(row.get("rank", "")), f"[red]no answer[/red]: {escape(row.get('error', ''))}",
                       "", "", "", "")
             continue
         cs = row["containers"]
@@ -102,8 +102,8 @@ def _status_table(doc: dict[str, Any]) -> Table:
 def status_command(inventory, recipe, sets, as_json, verbose, quiet):
     """Per host: container state, image ID, uptime, restarts, staged data; and the API's health.
 
-    Read-only. Exit 0 when every host answered (whatever their state), 1 when a host could not be
-    reached.
+    Read-only. Exit 0 when every host answered (whatever their state), 1 when a host or its Docker
+    engine could not be reached.
     """
     from ..launch.lifecycle import cluster_status
     dep = load_deployment(inventory, recipe, tuple(sets))
