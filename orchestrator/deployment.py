@@ -33,12 +33,20 @@ class Deployment:
 
     def checkpoint_dir(self, host: Host) -> str:
         """The checkpoint folder on `host`: HF cache layout unless the recipe names a folder."""
+        root, inner = self.checkpoint_mount(host)
+        return str(PurePosixPath(root) / inner) if inner else root
+
+    def checkpoint_mount(self, host: Host) -> tuple[str, str]:
+        """(folder to mount into the engine, the checkpoint's path inside it).
+
+        In the HF cache layout `snapshots/REV/` holds links into `../../blobs/`, so the whole
+        `models--ORG--NAME` folder is mounted for those links to resolve in the container.
+        """
         m = self.recipe.model
         if m.checkpoint_dir:
-            rel = m.checkpoint_dir
-        else:
-            rel = f"models--{m.repo.replace('/', '--')}/snapshots/{m.revision}"
-        return str(PurePosixPath(host.model_cache) / rel)
+            return str(PurePosixPath(host.model_cache) / m.checkpoint_dir), ""
+        repo = PurePosixPath(host.model_cache) / f"models--{m.repo.replace('/', '--')}"
+        return str(repo), f"snapshots/{m.revision}"
 
     def engram_dir(self, host: Host) -> str:
         assert self.recipe.engram is not None

@@ -35,7 +35,9 @@ def test_vllm_tp4_every_recipe_argument_on_every_rank():
     head = fab["spark1"]
     for h in dep.cluster.hosts:
         spec = container_spec(dep, h, fab[h.name], head)
-        assert spec.argv[:3] == ("vllm", "serve", "/model")
+        # HF cache layout: the repo folder is mounted so snapshot links into ../../blobs resolve.
+        assert spec.argv[:3] == ("vllm", "serve", "/model/snapshots/main")
+        assert (f"{h.model_cache}/models--deepseek-ai--DeepSeek-V4.1-Flash", "/model", "ro") in spec.mounts
         f = flags(spec.argv)
         for k, v in e.args.items():
             if v is True:
@@ -65,6 +67,13 @@ def test_vllm_tp4_every_recipe_argument_on_every_rank():
         assert "memlock=-1:-1" in run and "--device" in run
 
 
+def test_plain_checkpoint_folder_is_mounted_as_is():
+    dep = load_deployment(INVENTORIES_DIR / "spark1.yml", sets=("model.checkpoint_dir=qwen-plain",))
+    spec = container_spec(dep, dep.cluster.hosts[0], None, None)
+    assert ("/mnt/nvme/huggingface/qwen-plain", "/model", "ro") in spec.mounts
+    assert flags(spec.argv)["model-path"] == "/model"
+
+
 def test_engram_in_memory_drops_disk_env_and_mount():
     dep = load_deployment(INVENTORIES_DIR / "spark8.yml", "deepseek-v41-flash-tp8-mem")
     spec = container_spec(dep, dep.cluster.hosts[0], None, None)
@@ -80,7 +89,7 @@ def test_sglang_spark_file_backend():
     spec = container_spec(dep, dep.cluster.hosts[0], None, None)
     assert spec.argv[:3] == ("python3", "-m", "sglang.launch_server")
     f = flags(spec.argv)
-    assert f["model-path"] == "/model" and f["tp-size"] == "1"
+    assert f["model-path"] == "/model/snapshots/main" and f["tp-size"] == "1"
     assert f["ple-offload-backend"] == "file" and f["ple-offload-dir"] == "/ple"
     assert f["speculative-algorithm"] == "NEXTN" and f["speculative-num-steps"] == "3"
     assert f["speculative-eagle-topk"] == "1" and f["speculative-num-draft-tokens"] == "4"

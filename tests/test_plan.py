@@ -59,9 +59,11 @@ def test_engram_staging_depends_on_placement():
     assert "memory" in mem.stage("stage-engram").note
 
 
-def test_rtx_writes_no_ple_file():
+def test_rtx_writes_no_ple_file_but_checks_ram():
     plan = build_plan(load_deployment(INVENTORIES_DIR / "rtx1.yml"))
-    assert plan.stage("write-ple").actions == () and "pinned" in plan.stage("write-ple").note
+    (a,) = plan.stage("write-ple").actions
+    assert a.details["placement"] == "pinned" and a.details["min_host_ram_gb"] == 64.0
+    assert "no table file is written" in a.summary
 
 
 def test_only_and_skip():

@@ -123,11 +123,17 @@ def _check_args(dep: Deployment) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in e.args.items() if v is not False and v is not None]
 
 
+def model_path(dep: Deployment, host: Host) -> str:
+    """The checkpoint's path inside the container (see Deployment.checkpoint_mount)."""
+    inner = dep.checkpoint_mount(host)[1]
+    return f"{MODEL_MOUNT}/{inner}" if inner else MODEL_MOUNT
+
+
 def engine_argv(dep: Deployment, host: Host, master_addr: str) -> tuple[str, ...]:
     r, e = dep.recipe, dep.recipe.engine
     ple = r.ple
     ctx = {
-        "model": e.model or MODEL_MOUNT, "served_name": e.served_name, "port": dep.api_port,
+        "model": e.model or model_path(dep, host), "served_name": e.served_name, "port": dep.api_port,
         "tp": r.parallelism.tensor_parallel, "nnodes": r.parallelism.nodes, "rank": host.rank,
         "master_addr": master_addr, "master_port": e.master_port, "args": _check_args(dep),
         "ple_backend": {"nvme": "file", "pinned": "pinned"}.get(ple.placement) if ple else None,
@@ -157,7 +163,7 @@ def container_spec(dep: Deployment, host: Host, fabric: Fabric | None,
         else:
             note = ("fabric detected at launch (ConnectX-7 netdev, RoCE devices); "
                     + (f"override iface {host.fabric_iface}" if host.fabric_iface else "no override"))
-    mounts = [(dep.checkpoint_dir(host), MODEL_MOUNT, "ro")]
+    mounts = [(dep.checkpoint_mount(host)[0], MODEL_MOUNT, "ro")]
     if r.engram and r.engram.placement == "nvme":
         mounts.append((dep.engram_dir(host), ENGRAM_MOUNT, "ro"))
     if r.ple and r.ple.placement == "nvme":
