@@ -42,8 +42,6 @@ CLUSTER_KEYS = {
     "host_key_checking": "check SSH host keys (default true; false is an explicit opt-out)",
     "recipe_overrides": "mapping of recipe key.path: value applied before --set",
     "run_dir": "where run records go (default ./runs)",
-    "expect_gpus": "false on hosts without GPUs (the local test cluster): no --gpus, no GPU checks",
-    "expect_arch": "override the architecture preflight expects (default: the hardware kind's)",
 }
 DEFAULT_INVENTORY = INVENTORIES_DIR / "local4.yml"
 
@@ -85,8 +83,6 @@ class Cluster:
     host_key_checking: bool = True
     recipe_overrides: tuple[str, ...] = ()
     run_dir: str = "runs"
-    expect_gpus: bool = True
-    expect_arch: str | None = None
 
     @property
     def head_host(self) -> Host:
@@ -189,9 +185,6 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     hkc = cvars.get("host_key_checking", True)
     if not isinstance(hkc, bool):
         raise err(f"expected true or false, got {hkc!r}", "all.vars.host_key_checking")
-    expect_gpus = cvars.get("expect_gpus", True)
-    if not isinstance(expect_gpus, bool):
-        raise err(f"expected true or false, got {expect_gpus!r}", "all.vars.expect_gpus")
     return Cluster(
         name=str(cvars.get("deployment") or p.stem),
         file=p,
@@ -203,8 +196,6 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         host_key_checking=hkc,
         recipe_overrides=tuple(f"{k}={_yaml_scalar(v)}" for k, v in overrides.items()),
         run_dir=str(cvars.get("run_dir", "runs")),
-        expect_gpus=expect_gpus,
-        expect_arch=cvars.get("expect_arch"),
     )
 
 

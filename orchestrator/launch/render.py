@@ -173,7 +173,7 @@ def container_spec(dep: Deployment, host: Host, fabric: Fabric | None,
     spec = ContainerSpec(
         host=host.name, rank=host.rank, name=e.container_name or f"deployctl-{dep.name}",
         image=e.image, argv=engine_argv(dep, host, master), env=env, mounts=tuple(mounts),
-        labels=labels, shm_size=e.shm_size, gpus=host.gpus > 0 and c.expect_gpus,
+        labels=labels, shm_size=e.shm_size, gpus=host.gpus > 0 and host.expect_gpus,
         rdma_devices=bool(fabric and fabric.hcas), fabric_note=note)
     # The digest covers everything but the labels, so it can be one of them.
     return replace(spec, labels={**labels, SPEC_LABEL: spec.digest})
