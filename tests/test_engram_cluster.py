@@ -95,3 +95,22 @@ def test_full_nvme_fails_alone_others_skip(engram_cluster, staged):
             assert res[h]["message"].startswith("already staged: rank"), res[h]
     finally:
         cluster.unmount_small_fs("node3", rel)
+
+
+def test_restage_of_a_staged_cluster_asks_over_ssh_without_ansible(engram_cluster, staged):
+    """A re-run where every rank is current: one SSH round trip per host, no playbook run; a host whose
+    manifest is gone (an interrupted staging) goes through Ansible alone."""
+    cluster, s, dep = engram_cluster
+    assert staged[0].returncode == 0
+    p, doc = deployctl_stage(cluster.inventory_path, s.cluster_sets)
+    assert p.returncode == 0, p.stderr
+    assert all(r["status"] == "skipped" for r in results(doc).values())
+    assert not (Path(doc["run_dir"]) / "ansible").exists(), "no playbook ran"
+
+    (Path(dep.engram_dir(dep.cluster.host("node2"))) / "engram-manifest.json").unlink()
+    p, doc = deployctl_stage(cluster.inventory_path, s.cluster_sets)
+    assert p.returncode == 0, p.stderr
+    res = results(doc)
+    assert res["node2"]["status"] == "ok" and "TASK [" in Path(res["node2"]["log"]).read_text()
+    assert [res[h]["status"] for h in ("node1", "node3", "node4")] == ["skipped"] * 3
+    s.check_dest(Path(dep.engram_dir(dep.cluster.host("node2"))), 4, 1, "sparse")
