@@ -76,3 +76,17 @@ def test_helpers():
     assert last_json_line("") is None
     assert ssh_common_args(True, "/k") == "-o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k"
     assert ssh_common_args(False, "/k") == ""
+
+
+def test_signal_handlers_are_left_as_they_were(tmp_path):
+    """ansible-runner installs SIGINT/SIGTERM handlers of its own; after a play the caller's are back,
+    so deployctl (or anything embedding it) still stops on SIGTERM and Ctrl-C."""
+    import signal
+    pb = tmp_path / "pb.yml"
+    pb.write_text(PLAYBOOK)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    res = run_playbook(pb, inventory(tmp_path, ["a"]), limit=["a"],
+                       extravars={"jobs": {"a": [sys.executable, "-c", "print(1)"]}},
+                       artifact_dir=tmp_path / "run", timeout_s=120, host_key_checking=True)
+    assert res["a"].ok
+    assert {s: signal.getsignal(s) for s in before} == before

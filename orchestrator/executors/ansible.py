@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import json
+import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,15 +172,34 @@ def run_playbook(playbook: str | Path, inventory_path: str | Path, *, limit: lis
     ssh_args = ssh_common_args(host_key_checking, known_hosts_file)
     if ssh_args:
         envvars["ANSIBLE_SSH_COMMON_ARGS"] = ssh_args
-    runner = ansible_runner.run(
-        private_data_dir=str(data_dir), playbook=str(playbook), inventory=str(inventory_path),
-        limit=",".join(limit), extravars=extravars, forks=max(1, len(limit)), envvars=envvars,
-        event_handler=handler, quiet=True, timeout=int(timeout_s) if timeout_s else None,
-        cancel_callback=(lambda: cancel.is_set()) if cancel is not None else None,
-        settings={"suppress_ansible_output": True},
-    )
+    # Without a cancel callback ansible-runner installs its own SIGINT/SIGTERM handlers and leaves
+    # them in place: the process would then ignore SIGTERM (and Ctrl-C) after the play. Always give
+    # it one, and put back whatever handlers were there.
+    cancel = cancel if cancel is not None else threading.Event()
+    saved = _signal_handlers()
+    try:
+        runner = ansible_runner.run(
+            private_data_dir=str(data_dir), playbook=str(playbook), inventory=str(inventory_path),
+            limit=",".join(limit), extravars=extravars, forks=max(1, len(limit)), envvars=envvars,
+            event_handler=handler, quiet=True, timeout=int(timeout_s) if timeout_s else None,
+            cancel_callback=cancel.is_set, settings={"suppress_ansible_output": True},
+        )
+    finally:
+        _restore_signal_handlers(saved)
     status, rc = runner.status, runner.rc
     return {h: _host_result(st, status, rc, timeout_s, stats) for h, st in states.items()}
+
+
+def _signal_handlers() -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_signal_handlers(saved: dict[int, Any]) -> None:
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
 
 
 def _host_result(st: _HostState, status: str, rc: int | None, timeout_s: float,
