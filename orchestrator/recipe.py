@@ -273,13 +273,6 @@ def load_recipe(name_or_path: str, sets: tuple[str, ...] | list[str] = ()) -> Lo
     path = resolve_path(name_or_path)
     raw = yamlfile.load(path)
     data = apply_overrides(dict(raw), sets)
-    try:
-        recipe = schema.from_dict(Recipe, data, "", str(path))
-    except InputError as e:
-        # Point at the line of the offending key when the file has it.
-        line = raw.lines.get(e.key or "") if e.key else None
-        if line and e.line is None:
-            raise InputError(e.detail, file=str(path), key=e.key, line=line) from None
-        raise
+    recipe = schema.from_yaml(Recipe, data, raw.lines, str(path))
     return LoadedRecipe(recipe, path, tuple(sets))
 

@@ -111,6 +111,17 @@ def from_dict(cls: type, data: Any, path: str, file: str) -> Any:
     return obj
 
 
+def from_yaml(cls: type, data: dict, lines: dict[str, int], file: str) -> Any:
+    """from_dict for data loaded from a YAML file: errors point at the offending key's line."""
+    try:
+        return from_dict(cls, data, "", file)
+    except InputError as e:
+        line = lines.get(e.key or "") if e.key else None
+        if line and e.line is None:
+            raise InputError(e.detail, file=file, key=e.key, line=line) from None
+        raise
+
+
 def to_dict(obj: Any) -> Any:
     """Plain data (for JSON and digests) from dataclasses, tuples and dicts."""
     if dataclasses.is_dataclass(obj):

@@ -247,13 +247,7 @@ def lock_path_for(chain_file: Path) -> Path:
 
 def _load(cls: type, path: Path):
     raw = yamlfile.load(path)
-    try:
-        return schema.from_dict(cls, dict(raw), "", str(path))
-    except InputError as e:
-        line = raw.lines.get(e.key or "") if e.key else None
-        if line and e.line is None:
-            raise InputError(e.detail, file=str(path), key=e.key, line=line) from None
-        raise
+    return schema.from_yaml(cls, dict(raw), raw.lines, str(path))
 
 
 def render_vars(raw: dict[str, str], file: str) -> dict[str, str]:

@@ -23,10 +23,7 @@ K = TypeVar("K")
 
 
 def ssh_target(dep: "Deployment", host: "Host", connect_timeout: float = 10.0) -> SSHTarget:
-    c = dep.cluster
-    return SSHTarget(host=host.name, address=host.address, port=host.port, user=host.user,
-                     key_file=host.key_file, known_hosts_file=c.known_hosts_file,
-                     check_host_keys=c.host_key_checking, connect_timeout=connect_timeout)
+    return SSHTarget.for_host(host, dep.cluster, connect_timeout=connect_timeout)
 
 
 class HostShell:

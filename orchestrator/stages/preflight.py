@@ -288,8 +288,7 @@ def apply(dep, actions, ctx):
 
     def one(action: Action, log) -> HostResult:
         h = c.host(action.host)
-        target = SSHTarget(h.name, h.address, h.port, h.user, h.key_file, c.known_hosts_file,
-                           c.host_key_checking, connect_timeout=CONNECT_TIMEOUT_S)
+        target = SSHTarget.for_host(h, c, connect_timeout=CONNECT_TIMEOUT_S)
         log.write(f"preflight {h.name}: {action.summary}")
         try:
             with target.connect() as session:
