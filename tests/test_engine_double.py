@@ -583,7 +583,7 @@ def _ensure_base_image() -> None:
 @pytest.mark.docker
 def test_docker_image(tmp_path):
     if not Path("/var/run/docker.sock").exists():
-        pytest.skip("no local Docker engine")
+        pytest.fail("no local Docker engine on /var/run/docker.sock (start dockerd: .ci/setup does)")
     _ensure_base_image()
     _docker("build", "-q", "--build-arg", f"BASE={BASE_IMAGE}", "-t", IMAGE, str(DOUBLE_DIR))
     tag = uuid.uuid4().hex[:8]
