@@ -36,7 +36,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import yaml
 
-from .images import LOCAL_ENGINE, copy_image
+from orchestrator.fsutil import atomic_write_text as _write_atomic
+
+from .images import LOCAL_ENGINE, copy_image, mounts_under as _mounts_under
 
 STATE_ROOT = Path("/var/lib/deployctl-testcluster")
 NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
@@ -215,17 +217,6 @@ def _run(argv: list[str], check: bool = True, timeout: float = 60) -> subprocess
     return p
 
 
-def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
 def _link_exists(dev: str, netns: str | None = None) -> bool:
     argv = ["ip"] + (["-n", netns] if netns else []) + ["link", "show", "dev", dev]
     return subprocess.run(argv, capture_output=True).returncode == 0
@@ -233,17 +224,6 @@ def _link_exists(dev: str, netns: str | None = None) -> bool:
 
 def _netns_exists(ns: str) -> bool:
     return os.path.exists(f"/var/run/netns/{ns}")
-
-
-def _mounts_under(path: Path) -> list[str]:
-    prefix = str(path).rstrip("/") + "/"
-    out = []
-    with open("/proc/self/mountinfo") as fh:
-        for line in fh:
-            mp = line.split()[4].replace("\\040", " ")
-            if mp == str(path) or mp.startswith(prefix):
-                out.append(mp)
-    return out
 
 
 def _read_pid(pidfile: Path) -> int | None:

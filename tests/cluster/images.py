@@ -48,7 +48,8 @@ def _cache_lock() -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _mounts_under(path: Path) -> list[str]:
+def mounts_under(path: Path) -> list[str]:
+    """Mount points at or below `path` (from /proc/self/mountinfo)."""
     prefix = str(path).rstrip("/") + "/"
     out = []
     with open("/proc/self/mountinfo") as fh:
@@ -61,10 +62,10 @@ def _mounts_under(path: Path) -> list[str]:
 
 def _rmtree_no_mounts(path: Path) -> None:
     """rmtree follows into mounted filesystems: unmount first (debootstrap may leave /proc mounted)."""
-    for mp in sorted(_mounts_under(path), key=len, reverse=True):
+    for mp in sorted(mounts_under(path), key=len, reverse=True):
         subprocess.run(["umount", "-l", mp], check=False)
-    if _mounts_under(path):
-        raise RuntimeError(f"refusing to delete {path}: still has mounts {_mounts_under(path)}")
+    if mounts_under(path):
+        raise RuntimeError(f"refusing to delete {path}: still has mounts {mounts_under(path)}")
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -122,7 +123,7 @@ def _debootstrap_tarball() -> None:
             for p in (root / sub).glob("*"):
                 if p.is_file():
                     p.unlink()
-        for mp in sorted(_mounts_under(root), key=len, reverse=True):
+        for mp in sorted(mounts_under(root), key=len, reverse=True):
             subprocess.run(["umount", "-l", mp], check=False)
         part = DEBIAN_TARBALL.with_name(DEBIAN_TARBALL.name + ".part")
         subprocess.run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(part), "."], check=True)
