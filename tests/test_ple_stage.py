@@ -144,10 +144,17 @@ def test_stage_writes_then_keeps_through_ansible(cluster, tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     (res,) = json.loads(p.stdout)["stages"][0]["results"]
     assert res["status"] == "skipped" and res["message"].startswith("kept: "), res
-    assert res["data"]["decided_in_s"] < 2
     assert (f.stat().st_ino, f.stat().st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
     run_dir = Path(json.loads(p.stdout)["run_dir"])
     assert (run_dir / "write-ple-vars.json").exists()
+    assert not (run_dir / "ansible").exists(), "a kept table is decided over SSH, without a playbook run"
+
+    p = deployctl("ple", "-i", str(inv), *sets, "--verify", "--json")   # --verify always runs the op
+    assert p.returncode == 0, p.stdout + p.stderr
+    (res,) = json.loads(p.stdout)["stages"][0]["results"]
+    assert res["status"] == "skipped" and res["data"]["decided_in_s"] < 2, res
+    assert (Path(json.loads(p.stdout)["run_dir"]) / "ansible").is_dir()
+    assert (f.stat().st_ino, f.stat().st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
 
 
 @pytest.mark.cluster

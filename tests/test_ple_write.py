@@ -122,6 +122,22 @@ def test_restart_keeps_the_file_without_reading_it(ckpt, tmp_path, monkeypatch):
     assert (st2.st_ino, st2.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
 
 
+def test_check_reports_without_writing_or_reading_the_table(ckpt, tmp_path, monkeypatch):
+    spec, ck, plans = ckpt
+    dest = tmp_path / "ple"
+    assert P.check_table(spec, ck, dest)["up_to_date"] is False           # nothing written yet
+    assert not dest.exists(), "--check creates nothing"
+    f = Path(write(spec, ck, dest).data["file"])
+    spy = OpenSpy(monkeypatch)
+    doc = P.check_table(spec, ck, dest)
+    assert doc["up_to_date"] is True and doc["reason"].startswith("kept: ") and doc["file"] == str(f)
+    assert not spy.opened(f)
+    info = P.Checkpoint(ck).tensor(plans[0].name)
+    os.utime(info.file, ns=(info.file.stat().st_atime_ns, info.file.stat().st_mtime_ns + 10**9))
+    doc = P.check_table(spec, ck, dest)
+    assert doc["up_to_date"] is False and "the checkpoint changed" in doc["reason"]
+
+
 def test_changed_checkpoint_rewrites_by_rename_without_reading_the_old_file(ckpt, tmp_path, monkeypatch):
     spec, ck, plans = ckpt
     dest = tmp_path / "ple"

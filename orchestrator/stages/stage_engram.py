@@ -10,8 +10,6 @@ error, naming the host's file; or the playbook's space check naming host, path, 
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -23,6 +21,7 @@ from ..plan import Action
 from ..recipe import Recipe, digest_of
 from ..tables.engram_stage import Spec, local_ranges, out_files
 from .base import HostResult, Stage
+from .hostcheck import Probe, already_done, with_stdin_spec
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
@@ -139,7 +138,8 @@ def apply(dep: "Deployment", actions: list[Action], ctx: "RunContext") -> list[H
     all_jobs = [host_job(dep, dep.cluster.host(a.host)) for a in actions]
     # Most re-runs find every rank staged already: ask each host over SSH first (one round trip,
     # reads only the manifest) and start Ansible (seconds of start-up) only for hosts with work.
-    current = up_to_date(dep, all_jobs, pyz)
+    current = already_done(dep, [Probe(j.host, j.pyz, with_stdin_spec(j.check_argv, j.spec_path), j.spec)
+                                 for j in all_jobs], pyz)
     done = [HostResult(j.host, STAGE_NAME, "skipped", current[j.host], log_path=str(ctx.log_path(j.host, STAGE_NAME)))
             for j in all_jobs if j.host in current]
     for r in done:
@@ -176,39 +176,6 @@ def apply(dep: "Deployment", actions: list[Action], ctx: "RunContext") -> list[H
         ctx.event("action-end", **r.to_json())
     order = {a.host: i for i, a in enumerate(actions)}
     return sorted(done + results, key=lambda r: order[r.host])
-
-
-def up_to_date(dep: "Deployment", jobs: list[HostJob], pyz: Path) -> dict[str, str]:
-    """{host: reason} for the hosts whose rank is already staged, asked over SSH in parallel.
-
-    Only a host that already holds this exact zipapp (same sha256) is asked (`engram-stage --check`
-    with the spec on stdin: it writes nothing); any doubt (unreachable, other zipapp, not current)
-    leaves the host to the playbook, which reports it properly.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..executors.ssh import SSHError, SSHTarget
-
-    want = hashlib.sha256(pyz.read_bytes()).hexdigest()
-
-    def ask(j: HostJob) -> tuple[str, str | None]:
-        host = dep.cluster.host(j.host)
-        check = [x if x != j.spec_path else "/dev/stdin" for x in j.check_argv]
-        script = (f"[ \"$(sha256sum {shlex.quote(j.pyz)} 2>/dev/null | cut -d' ' -f1)\" = {want} ] "
-                  f"&& exec {shlex.join(check)}")
-        try:
-            r = SSHTarget.for_host(host, dep.cluster).run(["sh", "-c", script], timeout=60,
-                                                          stdin=json.dumps(j.spec))
-        except SSHError:
-            return j.host, None
-        try:
-            doc = json.loads(r.stdout.strip().splitlines()[-1]) if r.rc == 0 and r.stdout.strip() else {}
-        except ValueError:
-            return j.host, None
-        return j.host, (doc.get("reason") or "already staged") if doc.get("up_to_date") else None
-
-    with ThreadPoolExecutor(max_workers=len(jobs) or 1) as pool:
-        return {h: why for h, why in pool.map(ask, jobs) if why}
 
 
 def _host_result(job: HostJob, r: Any) -> HostResult:

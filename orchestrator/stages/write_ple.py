@@ -22,6 +22,7 @@ from ..recipe import Recipe, digest_of
 from ..tables.ple_write import SPEC_FORMAT, parse_spec
 from ..tables.geometry import total_rows
 from .base import HostFailure, HostResult, Stage, run_per_host
+from .hostcheck import Probe, already_done, with_stdin_spec
 from .stage_engram import PYZ_NAME, WORK_SUBDIR, host_python   # the same zipapp, folder, python
 
 STAGE_NAME = "write-ple"
@@ -65,7 +66,7 @@ def host_job(dep, host, spec: dict[str, Any], verify: bool = False) -> dict[str,
     timeout_s = int(BASE_TIMEOUT_S + nbytes * (2 if verify else 1) / MIN_RATE)
     argv = ["timeout", "-k", str(KILL_GRACE_S), str(timeout_s), *op]
     return {"work_dir": str(wd), "pyz": pyz, "spec_path": spec_path, "spec": spec, "argv": argv,
-            "timeout_s": timeout_s}
+            "op": op, "timeout_s": timeout_s}
 
 
 def playbook_vars(dep, pyz: str | Path, hosts=None, verify: bool = False) -> dict[str, Any]:
@@ -135,10 +136,18 @@ def apply(dep, actions, ctx):
     verify = bool(ctx.options.get("verify"))
     hosts = [dep.cluster.host(a.host) for a in actions]
     extravars = playbook_vars(dep, pyz, hosts, verify)
+    # A kept table is the usual case on a restart: ask over SSH first (nothing is read but the
+    # manifest and stats) and run the playbook only for hosts that need it. --verify always runs it.
+    current = {} if verify else already_done(dep, [
+        Probe(h, j["pyz"], with_stdin_spec([*j["op"], "--check"], j["spec_path"]), j["spec"])
+        for h, j in extravars["ple_hosts"].items()], pyz)
     vars_path = ctx.write_json(f"{STAGE_NAME}-vars.json", extravars)   # ops can re-run it with -e @
     timeout = max(j["timeout_s"] for j in extravars["ple_hosts"].values()) + 300
 
     def one(action, log):
+        if action.host in current:
+            log.write(f"checked over SSH: {current[action.host]}")
+            return HostResult(action.host, STAGE_NAME, "skipped", current[action.host])
         job = extravars["ple_hosts"][action.host]
         log.write(f"$ {shlex.join(job['argv'])}")
         log.write(f"(ansible-playbook -i {dep.cluster.file} {PLAYBOOKS_DIR / PLAYBOOK} -e @{vars_path} "

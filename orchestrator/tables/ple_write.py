@@ -571,6 +571,20 @@ def _write_new(tmp: Path, src: Source, total: int, prealloc: bool, chunk_bytes: 
         os.close(fd)
 
 
+def check_table(spec: PleTableSpec, checkpoint: str | Path, dest: str | Path) -> dict[str, Any]:
+    """Would write_table keep the file? Reads only the manifest, stats and safetensors headers;
+    writes nothing and takes no lock (what the stage asks over SSH before starting Ansible)."""
+    if spec.placement != "nvme":
+        return {"op": "ple-write", "status": "check", "up_to_date": False,
+                "reason": f"placement {spec.placement!r}: checked on the host by the op itself"}
+    src = resolve_source(spec, checkpoint)
+    name, total = spec.file_name(src.rows), src.rows * spec.row_bytes
+    dest = Path(dest)
+    keep, why = keep_reason(read_manifest(dest), dest, name, table_key(spec, src, name), src, total)
+    return {"op": "ple-write", "status": "check", "up_to_date": keep, "reason": f"kept: {why}" if keep else why,
+            "file": str(dest / name), "bytes": total}
+
+
 # -- command line -------------------------------------------------------------------------------
 
 def main(argv: list[str]) -> int:
@@ -579,6 +593,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--checkpoint", help="checkpoint folder (safetensors)")
     ap.add_argument("--dest", help="folder for the table file (the engine's --ple-offload-dir)")
     ap.add_argument("--verify", action="store_true", help="re-hash a kept file against its manifest")
+    ap.add_argument("--check", action="store_true", help="report whether the file is current; write nothing")
     ap.add_argument("--host", default=None, help="this host's inventory name (for messages)")
     ap.add_argument("--no-preallocate", action="store_true", help="skip fallocate")
     ap.add_argument("--chunk-mib", type=int, default=bulkcopy.CHUNK_BYTES >> 20)
@@ -590,6 +605,9 @@ def main(argv: list[str]) -> int:
             raise InputError(f"must be >= 1, got {a.chunk_mib}", key="--chunk-mib")
         if spec.placement == "nvme" and not (a.checkpoint and a.dest):
             raise InputError("placement nvme needs --checkpoint and --dest", key="--checkpoint")
+        if a.check:
+            print(json.dumps({**check_table(spec, a.checkpoint or "", a.dest or ""), "host": a.host}))
+            return 0
         out = write_table(spec, a.checkpoint or "", a.dest or "", verify=a.verify, host=a.host,
                           prealloc=not a.no_preallocate, chunk_bytes=a.chunk_mib << 20, quiet=a.quiet)
     except DeployctlError as e:
