@@ -418,6 +418,20 @@ def check_ple(cfg: Config) -> None:
 
 # ------------------------------------------------------------------------------------- rendezvous
 
+def json_lines(rfile):
+    """The peer protocol's messages: one JSON object a line, until the peer closes (others skipped)."""
+    while True:
+        line = rfile.readline()
+        if not line:
+            return
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(msg, dict):
+            yield msg
+
+
 def _send(sock: socket.socket, lock: threading.Lock, msg: dict) -> bool:
     data = (json.dumps(msg) + "\n").encode()
     try:
@@ -534,14 +548,7 @@ class HeadRendezvous:
         # Read loop: pings and "loaded"; EOF or silence = the worker is gone.
         why = "closed the connection"
         try:
-            while True:
-                line = rfile.readline()
-                if not line:
-                    break
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
+            for msg in json_lines(rfile):
                 if msg.get("type") == "loaded":
                     with self.cond:
                         self.loaded.add(rank)
@@ -685,14 +692,7 @@ class WorkerLink:
     def _read_loop(self) -> None:
         why = "the head closed the connection"
         try:
-            while True:
-                line = self.rfile.readline()
-                if not line:
-                    break
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
+            for msg in json_lines(self.rfile):
                 if msg.get("type") == "ready":
                     log("head reports the engine is ready")
                     self.ready.set()
