@@ -60,15 +60,15 @@ def run(plan: Plan, ctx: RunContext, command: str = "up") -> RunOutcome:
     outcomes: list[StageOutcome] = []
     status, code, error = "ok", 0, ""
     previous = signal.getsignal(signal.SIGINT) if _main_thread() else None
+    # Libraries the stages use leave signal handlers as they found them (the Ansible executor restores
+    # what ansible-runner installs), so arming once holds for the whole run.
+    _cancel_on_sigint(ctx)
     try:
         for sp in plan.stages:
             if ctx.cancel.is_set():
                 status, code = "cancelled", 130
                 break
             st = get_stage(sp.name)
-            # (Re-)armed for every stage: a library run by an earlier stage (ansible-runner) may have
-            # put its own SIGINT handler in place and left it there.
-            _cancel_on_sigint(ctx)
             ctx.event("stage-start", stage=sp.name, actions=len(sp.actions))
             t0 = time.monotonic()
             if not sp.actions:
