@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copytree(MINI, inputs)
         for name, prep, kw in (("full", None, {"no_cache": True}), ("no-op", None, {}),
                                ("patch-only", "patch", {}), ("restore", "restore", {"prune": True})):
-            patch = inputs / "patches" / "attention.py"
+            patch = inputs / "patch" / "attention.py"
             if prep == "patch":
                 patch.write_text(patch.read_text() + f"BENCH = {time.time()!r}\n")
             elif prep == "restore":
-                shutil.copy(MINI / "patches" / "attention.py", patch)
+                shutil.copy(MINI / "patch" / "attention.py", patch)
             report, took = one(client, where, t / name, inputs, **kw)
             if name != "restore":
                 rows.append({"build": name, "seconds": round(took, 3), "built": report.built,

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.docker
 
 MINI = ROOT / "tests" / "fixtures" / "mini-vllm"
 IMAGE = "dctl-engine:test"
-STEPS = ["c-ext", "overlay1", "overlay3", "overlay4", "overlay5", "patch", "engine-double"]
+STEPS = ["nightly", "c-ext", "overlay1", "overlay3", "overlay4", "overlay5", "patch", "engine-double"]
+BELOW_PATCH = STEPS[:STEPS.index("patch")]
+SITE = "/usr/local/lib/python3.11/dist-packages"
 ABOVE_PATCH = ["engine-double"]          # the test chain installs the engine double on the patch layer
 
 
@@ -104,13 +106,14 @@ def test_noop_rebuild_reuses_every_step_in_seconds(full, docker_client, tmp_path
 def test_patch_change_rebuilds_only_the_patch_layer(full, docker_client, tmp_path):
     report, _ = full
     inputs = mini_copy(tmp_path)
-    (inputs / "patches" / "attention.py").write_text('PATCHED = True\nNAME = "attention"\nPAGE = 64\n')
+    (inputs / "patch" / "attention.py").write_text('PATCHED = True\nNAME = "attention"\nPAGE = 64\n')
     tag = "dctl-engine:test-patch-change"
     try:
         again, _ = build(docker_client, tmp_path / "logs", tag=tag, inputs_dir=inputs)
-        assert status(again) == {**{s: "reused" for s in STEPS[:5]}, "patch": "built",
+        n = len(BELOW_PATCH)
+        assert status(again) == {**{s: "reused" for s in BELOW_PATCH}, "patch": "built",
                                  **{s: "built" for s in ABOVE_PATCH}}
-        assert [s.digest for s in again.steps[:5]] == [s.digest for s in report.steps[:5]]
+        assert [s.digest for s in again.steps[:n]] == [s.digest for s in report.steps[:n]]
         out = run_in(tag, "python3 -c 'import vllm.models.deepseek_v4_1.attention as a; print(a.PAGE)'")
         assert out.strip() == "64"
     finally:
@@ -140,11 +143,17 @@ def test_failed_verification_fails_with_the_log_tail_and_leaves_no_image(full, d
               variables={"sparse_mla_prebuild": "0"})
     f = e.value
     assert f.step == "overlay5"
-    assert "verification failed" in str(f) and "lacks 'HIT/HIT'" in str(f)
-    assert "sparse_mla MISS/MISS" in f.tail
+    msg = str(f)
+    assert "verification failed" in msg
+    # the MISS line is named, the HIT line is not a problem
+    assert "VERIFY sparse_mla did not pass: 'VERIFY sparse_mla: MISS-COMPILED 20.0s'" in msg
+    assert "need a line starting 'VERIFY sparse_mla: HIT'" in msg and "mxfp8" not in msg.split("`: ", 1)[1]
+    assert "VERIFY mxfp8: HIT 0.0s (is_compiled=True)" in f.tail
+    assert "VERIFY sparse_mla: MISS-COMPILED 20.0s" in f.tail
     st = status(f.report)
-    assert [st[s] for s in STEPS[:4]] == ["reused"] * 4 and st["overlay5"] == "failed"
-    digest = f.report.steps[4].digest
+    below = STEPS[:STEPS.index("overlay5")]
+    assert [st[s] for s in below] == ["reused"] * len(below) and st["overlay5"] == "failed"
+    digest = f.report.steps[STEPS.index("overlay5")].digest
     ref = f"{CACHE_REPO}/test-double:overlay5-{digest.split(':')[1]}"
     assert de.image_id(docker_client, ref) is None       # a failed verification is never cached
     # and the same build fails again (it is not reused)
@@ -228,5 +237,49 @@ def test_cli_ci_json_report_and_prune(full, tmp_path):
     assert p.returncode == 1
     (res,) = json.loads(p.stdout)["stages"][0]["results"]
     assert res["status"] == "failed" and "step overlay5" in res["message"]
-    assert res["log"].endswith("build-overlay5.log") and "sparse_mla MISS/MISS" in res["tail"]
-    assert "sparse_mla MISS/MISS" in p.stderr       # describe_failure shows the tail
+    assert res["log"].endswith("build-overlay5.log") and "VERIFY sparse_mla: MISS-COMPILED 20.0s" in res["tail"]
+    assert "VERIFY sparse_mla: MISS-COMPILED" in p.stderr       # describe_failure shows the tail
+
+
+def test_overlay1_purges_bytecode_and_overlay3_removes_the_stale_flashinfer_packages(full):
+    # the nightly stand-in shipped vllm/__pycache__/stale_nightly...pyc and FlashInfer 0.6.18 as three
+    # pip packages (flashinfer-python, flashinfer-jit-cache, flashinfer-cubin)
+    out = run_in(IMAGE, f"ls {SITE}; echo ---; ls {SITE}/vllm/__pycache__; echo ---; "
+                        "python3 -c 'import flashinfer; print(flashinfer.__version__)'")
+    site, pycache, fi = out.split("---\n")
+    assert "flashinfer_python-0.7.0rc1.dist-info" in site.split()
+    stale = [d for d in site.split() if d.startswith(("flashinfer_jit_cache", "flashinfer_cubin"))
+             or d.startswith("flashinfer_python-0.6.18")]
+    assert stale == [], stale
+    assert "stale_nightly.cpython-311.pyc" not in pycache      # purged; `import vllm` recompiled __init__
+    assert fi.strip() == "0.7.0rc1"
+    logs = {s.name: Path(s.log).read_text() for s in full[0].steps}
+    for dist in ("flashinfer_jit_cache", "flashinfer_cubin", "flashinfer_python"):
+        assert f"uninstalling {dist}-0.6.18.dist-info" in logs["overlay3"]
+    assert "0.0.0+mini.e47aa780b" in logs["overlay1"]          # the import check printed the version
+    assert "BUILD OK" in logs["c-ext"]
+
+
+def test_max_jobs_reaches_the_prebuild_and_the_verification(full):
+    out = run_in(IMAGE, "cat /root/.cache/flashinfer/0.7.0rc1/121a/cached_ops/*/build.txt")
+    assert "mxfp8_gemm_cutlass_sm120 built with MAX_JOBS=2 FLASHINFER_NVCC_THREADS=1" in out
+    assert "prebuilt MAX_JOBS=4" in out                         # build_overlay5.sh's prewarm
+    log = Path(full[0].steps[STEPS.index("overlay5")].log).read_text()
+    assert "verify: MAX_JOBS=2" in log and "VERIFY mxfp8: HIT" in log and "VERIFY sparse_mla: HIT" in log
+    assert "verify: found lines 'VERIFY mxfp8: HIT', 'VERIFY sparse_mla: HIT'" in log
+
+
+def test_verify_needs_every_line_at_the_start_of_a_line():
+    from orchestrator.imagechain.spec import Verify
+    v = Verify(expect_lines=("VERIFY mxfp8: HIT", "VERIFY sparse_mla: HIT"))
+    ok = "noise\nVERIFY mxfp8: HIT 1.5s (is_compiled=True)\n  VERIFY sparse_mla: HIT 0.0s\n"
+    assert v.check(ok) == []
+    (p,) = v.check("VERIFY mxfp8: HIT 1.5s (is_compiled=True)\nVERIFY sparse_mla: MISS-COMPILED 41.2s\n")
+    assert p.startswith("VERIFY sparse_mla did not pass: 'VERIFY sparse_mla: MISS-COMPILED 41.2s'")
+    (p,) = v.check("VERIFY mxfp8: MISS 1.4s (is_compiled=True, RuntimeError: x)\nVERIFY sparse_mla: HIT 0.0s\n")
+    assert "VERIFY mxfp8 did not pass" in p
+    # one combined line is not what verify5.py prints: sparse_mla is missing from the start of a line
+    (p,) = v.check("VERIFY mxfp8: HIT 1.5s VERIFY sparse_mla: HIT 0.0s\n")
+    assert "sparse_mla" in p and "no line starting 'VERIFY sparse_mla: HIT'" in p
+    assert len(v.check("sparse_mla HIT/HIT\n")) == 2
+    assert len(v.check("")) == 2

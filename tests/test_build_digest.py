@@ -40,7 +40,14 @@ def test_shipped_chains_load_and_the_real_ones_name_what_the_reports_say():
     assert patch.target == "/usr/local/lib/python3.12/dist-packages/vllm"
     assert len(patch.patches) == 7
     assert patch.patches[0].dest == "models/deepseek_v4_1/common/engram.py"
-    assert v.step("overlay5").verify.expect == "HIT/HIT"
+    assert v.step("overlay5").verify.expect_lines == ("VERIFY mxfp8: HIT", "VERIFY sparse_mla: HIT")
+    assert v.step("overlay5").verify.expect == "" and "/opt/deployctl/verify5.py" in v.step("overlay5").verify.command
+    assert "MAX_JOBS=2" in v.step("overlay5").verify.command and v.step("overlay4").args == {"MAXJ": "2"}
+    assert v.step("patch").patches_dir == "patch"
+    scripts = {i.src for s in v.steps for i in s.inputs if i.src.startswith("build/")}
+    assert scripts == {"build/Dockerfile.overlay", "build/build_overlay3.sh", "build/build_overlay4.sh",
+                       "build/build_overlay5.sh", "build/prewarm5.py", "build/verify5.py"}
+    assert "bash build/build_stable_ext.sh" in v.step("c-ext").script
     assert v.step("overlay1").inputs[0].src == "vllm/vllm" and v.step("overlay1").uses == ("c-ext",)
     assert v.step("c-ext").outputs == ("vllm/vllm/_C_stable_libtorch*.so", "vllm/vllm/_moe_C_stable_libtorch*.so")
     # the real chain's inputs are not here: the check says where they are expected
@@ -68,7 +75,7 @@ def test_overlay1_pointed_at_the_checkout_is_explained():
 
 def test_missing_patch_file_and_unknown_keys_are_input_errors(tmp_path):
     inputs = mini_copy(tmp_path)
-    (inputs / "patches" / "sparse_swa.py").unlink()
+    (inputs / "patch" / "sparse_swa.py").unlink()
     with pytest.raises(InputError, match=r"patch 6 \(sparse_swa.py"):
         check_inputs(load_chain("test-double", inputs_dir=str(inputs)))
     bad = tmp_path / "bad.yml"
@@ -107,6 +114,23 @@ def test_step_digest_is_pure_and_covers_its_inputs():
     # order of args and inputs does not matter
     assert step_digest(step_material(**{**base, "args": {"B": "2", "A": "1"}})) == \
         step_digest(step_material(**{**base, "args": {"A": "1", "B": "2"}}))
+
+
+def test_verify_expectations_are_in_the_digest_and_checked_at_load(tmp_path):
+    from orchestrator.errors import InputError as IE
+    from orchestrator.imagechain.spec import Verify
+    from orchestrator import schema
+    base = dict(kind="docker-build", chain="c", step="s", text="FROM x\n", args={}, inputs=[],
+                parent_id="sha256:p", uses={})
+    def d(v):
+        return step_digest(step_material(**base, extra={"verify": schema.to_dict(v)}))
+    two = Verify(expect_lines=("VERIFY mxfp8: HIT", "VERIFY sparse_mla: HIT"))
+    assert d(two) == d(Verify(expect_lines=("VERIFY mxfp8: HIT", "VERIFY sparse_mla: HIT")))
+    assert d(two) != d(Verify(expect_lines=("VERIFY mxfp8: HIT",)))
+    assert d(two) != d(Verify(expect="HIT/HIT"))
+    for bad in ({"expect": "x", "expect_lines": ["y"]}, {}, {"expect_lines": [" "]}):
+        with pytest.raises(IE, match="exactly one of expect"):
+            schema.from_dict(Verify, bad, "verify", "f.yml")
 
 
 def test_hash_tree_sees_content_names_and_exec_bits_but_not_mtimes_or_excluded(tmp_path):

@@ -9,7 +9,8 @@ therefore costs one inspect per step plus hashing the inputs.
 
 Checks: inputs exist and have the expected shape (spec.check_inputs, before the engine is contacted);
 a patch step's destinations exist in the image below (a moved module fails naming the patch and the
-path); a verification whose output lacks its marker fails with the output tail and the image is
+path); a verification whose output lacks its marker or one of its required lines fails with the
+output tail, naming each line that is missing or reports another status (MISS), and the image is
 removed; a run-copy-out output glob that matches nothing fails naming it.
 """
 from __future__ import annotations
@@ -271,10 +272,10 @@ class ChainBuilder:
         def run(log: StepLog, digest: str) -> str:
             tar = TarBuilder()
             self._add_inputs(tar, step.inputs)
-            marker = _MarkerWatch(step.verify.expect if step.verify and not step.verify.command else None, log)
+            marker = _MarkerWatch(bool(step.verify and not step.verify.command), log)
             image = self._docker_build(step, tar, text, args, digest, marker.line)
             if step.verify:
-                self._verify(step, image, log, marker.seen)
+                self._verify(step, image, log, "\n".join(marker.lines))
             return image
         return {"material": material, "run": run}
 
@@ -295,24 +296,27 @@ class ChainBuilder:
         finally:
             ctx.close()
 
-    def _verify(self, step: StepSpec, image: str, log: StepLog, seen_in_build: bool) -> None:
+    def _verify(self, step: StepSpec, image: str, log: StepLog, build_output: str) -> None:
         v = step.verify
         assert v is not None
+        want = repr(v.expect) if v.expect else "lines " + ", ".join(map(repr, v.expect_lines))
         if v.command:
-            log.write(f"verify: {' '.join(v.command)} (expect {v.expect!r})")
+            log.write(f"verify: {' '.join(v.command)} (expect {want})")
             res = de.run_container(self.client, image, v.command, where=self.where, gpus=v.gpus,
                                    on_line=log.write, timeout=v.timeout_s, cancel=self.cancel,
                                    labels={"deployctl.chain": self.chain.name, "deployctl.verify": step.name})
-            ok, detail, tail = res.rc == 0 and v.expect in res.output, f"exit code {res.rc}", res.tail
+            problems, detail, tail = v.check(res.output), f"exit code {res.rc}", res.tail
+            if res.rc != 0:
+                problems.append(f"it exited {res.rc}")
         else:
-            ok, detail, tail = seen_in_build, "in the build output", log.tail()
-        if ok:
-            log.write(f"verify: found {v.expect!r}")
+            problems, detail, tail = v.check(build_output), "in the build output", log.tail()
+        if not problems:
+            log.write(f"verify: found {want}")
             return
         why = de.remove_image(self.client, image)     # an unverified image must never be reused
-        log.write(f"verify: {v.expect!r} missing ({detail}); image {image} removed" + (f" (not: {why})" if why else ""))
+        log.write(f"verify: {'; '.join(problems)} ({detail}); image {image} removed" + (f" (not: {why})" if why else ""))
         what = f"`{' '.join(v.command)}`" if v.command else "the build"
-        raise _StepError(f"verification failed: the output of {what} lacks {v.expect!r} ({detail})", tail)
+        raise _StepError(f"verification failed: the output of {what}: {'; '.join(problems)} ({detail})", tail)
 
     # -- patch --------------------------------------------------------------------------------
     def _plan_patch(self, step: StepSpec, parent_id: str, uses: dict[str, str]) -> dict[str, Any]:
@@ -321,7 +325,8 @@ class ChainBuilder:
         for i, p in enumerate(step.patches, 1):
             src = pdir / p.file
             patches.append({"n": i, "file": p.file, "purpose": p.purpose, "src": f"patches/{i}/{Path(p.file).name}",
-                            "dest": posixpath.join(step.target, p.dest), "path": src, "sha": file_sha256(src)})
+                            "dest": posixpath.join(step.target, p.dest), "path": src, "sha": file_sha256(src),
+                            "adds": p.adds, "requires": [posixpath.join(step.target, r) for r in p.requires]})
         text = self._render(step.dockerfile or self.chain.spec.patch_template, step=step, steps=uses,
                             parent=parent_id, patches=patches)
         args = {"BASE": parent_id, **step.args}
@@ -339,15 +344,27 @@ class ChainBuilder:
     def _check_destinations(self, step: StepSpec, patches: list[dict[str, Any]], parent_id: str,
                             log: StepLog) -> None:
         below = self.chain.parent_of(step)
-        found = de.stat_paths(self.client, parent_id, [p["dest"] for p in patches], where=self.where)
-        bad = [(p, found[p["dest"]]) for p in patches if found[p["dest"]] != "file"]
+        paths = sorted({q for p in patches for q in [p["dest"], *p["requires"]]})
+        found = de.stat_paths(self.client, parent_id, paths, where=self.where)
+        lines = []
         for p in patches:
-            log.write(f"patch {p['n']} {p['file']} -> {p['dest']}: {found[p['dest']]}")
+            log.write(f"patch {p['n']} {p['file']} -> {p['dest']}: {found[p['dest']]}"
+                      + (" (added)" if p["adds"] else ""))
+            kind = found[p["dest"]]
+            if p["adds"] and kind != "missing":
+                lines.append(f"patch {p['n']} ({p['file']}) adds {p['dest']}, but the image already has it "
+                             f"(a {kind}): upstream now ships a file there")
+            elif not p["adds"] and kind != "file":
+                lines.append(f"patch {p['n']} ({p['file']}): destination {p['dest']} "
+                             f"{'does not exist' if kind == 'missing' else 'is a ' + kind + ', not a file'}")
+            for r in p["requires"]:
+                log.write(f"patch {p['n']} requires {r}: {found[r]}")
+                if found[r] != "file":
+                    lines.append(f"patch {p['n']} ({p['file']}) builds on {r}, which "
+                                 f"{'does not exist' if found[r] == 'missing' else 'is not a file'}")
+        bad = lines
         if bad:
-            lines = [f"patch {p['n']} ({p['file']}): destination {p['dest']} "
-                     f"{'does not exist' if kind == 'missing' else 'is a ' + kind + ', not a file'}"
-                     for p, kind in bad]
-            raise _StepError(f"{len(bad)} patch destination(s) not found in the image below ({below}, "
+            raise _StepError(f"{len(bad)} patch destination problem(s) in the image below ({below}, "
                              f"{parent_id[:19]}): " + "; ".join(lines) + ". The module moved or the tree "
                              "changed: fix the patch's dest in the chain (or the tree it patches)", lines)
 
@@ -414,12 +431,12 @@ class ChainBuilder:
 
 
 class _MarkerWatch:
-    """Passes build output to the log and notes whether a marker appeared in it."""
+    """Passes build output to the log and keeps it when a verification reads the build output."""
 
-    def __init__(self, marker: str | None, log: StepLog):
-        self.marker, self.log, self.seen = marker, log, False
+    def __init__(self, keep: bool, log: StepLog):
+        self.keep, self.log, self.lines = keep, log, []
 
     def line(self, text: str) -> None:
-        if self.marker and self.marker in text:
-            self.seen = True
+        if self.keep:
+            self.lines.append(text)
         self.log.write(text)

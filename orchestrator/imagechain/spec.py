@@ -61,11 +61,37 @@ class InputRef:
 
 @dataclass(frozen=True)
 class Verify:
-    """A check of a freshly built step image: its output must contain `expect`."""
-    expect: str
+    """A check of a freshly built step image: its output must contain `expect` (a substring), or,
+    with `expect_lines`, EVERY one of those lines must start some output line (leading blanks
+    ignored). A line with the same label (the text up to its last ':') but another status, e.g.
+    `VERIFY sparse_mla: MISS-COMPILED 40.1s` for `VERIFY sparse_mla: HIT`, is named in the error."""
+    expect: str = ""
+    expect_lines: tuple[str, ...] = ()
     command: tuple[str, ...] = ()         # run in a container of the new image; empty: the build output
     gpus: bool = False                    # --gpus all for the verification container
     timeout_s: float = 900.0
+
+    def validate(self, path: str, file: str) -> None:
+        if bool(self.expect) == bool(self.expect_lines) or any(not x.strip() for x in self.expect_lines):
+            raise InputError("verify needs exactly one of expect (a substring) or expect_lines (non-empty "
+                             "lines, each must start a line of the output)", file=file, key=f"{path}.expect")
+
+    def check(self, output: str) -> list[str]:
+        """The problems with OUTPUT (empty: verified)."""
+        if not self.expect_lines:
+            return [] if self.expect in output else [f"lacks {self.expect!r}"]
+        lines = [ln.strip() for ln in output.replace("\r", "\n").splitlines()]
+        problems = []
+        for want in self.expect_lines:
+            if any(ln.startswith(want) for ln in lines):
+                continue
+            label = want[:want.rindex(":") + 1] if ":" in want else want.split()[0]
+            got = [ln for ln in lines if ln.startswith(label)]
+            if got:
+                problems.append(f"{label.rstrip(':')} did not pass: {got[-1]!r} (need a line starting {want!r})")
+            else:
+                problems.append(f"no line starting {want!r} (nor any {label!r} line)")
+        return problems
 
 
 @dataclass(frozen=True)
@@ -73,11 +99,17 @@ class Patch:
     file: str                             # below patches_root
     dest: str                             # relative to the step's target folder
     purpose: str = ""
+    # A file the patch adds (an extension module) instead of replacing: its dest must NOT exist in
+    # the image below (nothing upstream is silently overwritten), and each of `requires` (the
+    # upstream modules it builds on, relative to the target) must be a file there.
+    adds: bool = False
+    requires: tuple[str, ...] = ()
 
     def validate(self, path: str, file: str) -> None:
-        if self.dest.startswith("/") or ".." in Path(self.dest).parts or not self.dest:
-            raise InputError(f"dest {self.dest!r}: must be a path relative to the patch target",
-                             file=file, key=f"{path}.dest")
+        for key, rel in [("dest", self.dest), *(("requires", r) for r in self.requires)]:
+            if rel.startswith("/") or ".." in Path(rel).parts or not rel:
+                raise InputError(f"{key} {rel!r}: must be a path relative to the patch target",
+                                 file=file, key=f"{path}.{key}")
 
 
 @dataclass(frozen=True)
