@@ -1,6 +1,6 @@
 """Benchmark engram-stage against a plain copy of the same bytes, on this machine's disk.
 
-    python3 bench/engram_stage.py [--gb 2] [--dir DIR] [--layout sparse|packed] [--rounds 2]
+    python3 bench/engram_stage.py [--gb 2] [--dir DIR] [--staging copy|auto] [--rounds 2]
                                   [--threads N] [--keep] [--json]
 
 Writes a synthetic checkpoint (DeepSeek row shape: 256 B FP8 + 8 B scale per row, 2 Engram layers of
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=2.0, help="GB of Engram rows (default 2)")
     ap.add_argument("--dir", default=None, help="parent of the temporary folder (default: system temp)")
-    ap.add_argument("--layout", choices=("sparse", "packed"), default="sparse")
+    ap.add_argument("--staging", choices=("copy", "auto"), default="copy",
+                    help="copy: what the benchmark measures; auto: hard links where the checkpoint is local")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = max(100, int(a.gb * 1e9 / ROW / 2 / 24))
     recipe = load_recipe("deepseek-v41-flash-tp4", [f"engram.geometry.vocab_per_order=[{vocab},{vocab},{vocab}]",
-                                                    f"engram.layout={a.layout}", "engram.free_margin_gb=0"]).recipe
+                                                    f"engram.staging={a.staging}", "engram.free_margin_gb=0"]).recipe
     g = recipe.engram.geometry
     sizes = {t.layer: [s.rows for s in t.subtables] for t in layer_tables(g)}
     work = Path(tempfile.mkdtemp(prefix="engram-bench-", dir=a.dir))
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         noop_wall, _, noop = run_op_rusage(op)
         assert noop["status"] == "skipped", noop
         b, o = min(base_t), min(ours_t)
-        doc = {"bytes": nbytes, "layout": a.layout, "fs": fstype, "rounds": a.rounds,
+        doc = {"bytes": nbytes, "staging": a.staging, "fs": fstype, "rounds": a.rounds,
                "baseline_s": round(b, 3), "baseline_mb_s": round(nbytes / b / 1e6, 1),
                "stage_s": round(o, 3), "stage_mb_s": round(nbytes / o / 1e6, 1), "ratio": round(b / o, 3),
                "peak_rss_mb": round(rss / 1e6, 1), "noop_s": round(noop_wall, 3),
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             say(f"baseline (copy_file_range + fsync, sequential): {b:.2f} s, {doc['baseline_mb_s']:.0f} MB/s "
                 f"(best of {a.rounds})")
-            say(f"engram-stage ({a.layout}, sha256 + fidelity + manifest): {o:.2f} s, {doc['stage_mb_s']:.0f} MB/s "
+            say(f"engram-stage ({a.staging}, sha256 + fidelity + manifest): {o:.2f} s, {doc['stage_mb_s']:.0f} MB/s "
                 f"(best of {a.rounds})")
             say(f"ratio {doc['ratio']:.2f} (target >= 0.9); peak RSS of the staging process "
                 f"{doc['peak_rss_mb']:.0f} MB; no-op re-stage {noop_wall:.2f} s (process start included; "

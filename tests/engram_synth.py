@@ -115,18 +115,24 @@ def make_checkpoint(folder: str | Path, layers: list[int], vocab: list[int], hea
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
                     "weight_map": weight_map}, indent=1))
+    if len(set(vocab)) == 1:        # what the patched engram.py builds its tables from (EngramLayout)
+        (folder / "config.json").write_text(json.dumps(
+            {"model_type": "deepseek_v41", "engram_layer_ids": list(layers), "engram_vocab_size": vocab[0],
+             "engram_max_ngram_size": len(vocab) + 1, "engram_n_heads": heads, "engram_head_dim": row_values,
+             "engram_num_embeddings": [sum(sizes[layer]) for layer in layers]}, indent=1))
     return tensors
 
 
 def recipe_sets(layers: list[int], vocab: list[int], heads: int, row_values: int,
-                scale_values: int | None = 1, layout: str = "sparse") -> list[str]:
-    """--set overrides that scale deepseek-v41-flash-tp4 down to a synthetic checkpoint."""
+                scale_values: int | None = 1, layout: str = "sparse", staging: str = "copy") -> list[str]:
+    """--set overrides that scale deepseek-v41-flash-tp4 down to a synthetic checkpoint (staging copy
+    by default: the tests' checkpoints share the filesystem with DEST, where auto would link)."""
     sets = [f"engram.geometry.layers={json.dumps(layers)}",
             f"engram.geometry.vocab_per_order={json.dumps(vocab)}",
             f"engram.geometry.orders={json.dumps(list(range(2, 2 + len(vocab))))}",
             f"engram.geometry.heads_per_order={heads}",
             f"engram.geometry.row_values={row_values}",
-            f"engram.layout={layout}", "engram.free_margin_gb=0"]
+            f"engram.layout={layout}", f"engram.staging={staging}", "engram.free_margin_gb=0"]
     if scale_values:
         sets.append(f"engram.scale_values_per_row={scale_values}")
     else:
@@ -144,11 +150,12 @@ class Synth:
         self.tensors = make_checkpoint(self.ckpt, layers, vocab, heads, row_values, scale_values, seed=seed)
         self.sizes = brute_primes(layers, vocab, heads)
 
-    def sets(self, layout: str = "sparse") -> list[str]:
-        return recipe_sets(self.layers, self.vocab, self.heads, self.row_values, self.scale_values, layout)
+    def sets(self, layout: str = "sparse", staging: str = "copy") -> list[str]:
+        return recipe_sets(self.layers, self.vocab, self.heads, self.row_values, self.scale_values, layout,
+                           staging)
 
-    def spec(self, tp: int, rank: int, layout: str = "sparse", **over) -> op.Spec:
-        r = load_recipe(RECIPE, self.sets(layout)).recipe
+    def spec(self, tp: int, rank: int, layout: str = "sparse", staging: str = "copy", **over) -> op.Spec:
+        r = load_recipe(RECIPE, self.sets(layout, staging)).recipe
         return op.Spec.from_json({**engram_spec(r, rank, tp).to_json(), **over})
 
     def expected_range(self, layer: int, tp: int, rank: int) -> tuple[int, int]:
@@ -158,43 +165,37 @@ class Synth:
         h1 = min(h0 + part, len(subs))
         return sum(subs[:h0]), sum(subs[:h1])
 
-    def check_dest(self, dest: Path, tp: int, rank: int, layout: str) -> None:
-        """Every byte of every file the rank's staging wrote."""
+    def check_dest(self, dest: Path, tp: int, rank: int, layout: str = "sparse") -> None:
+        """Every byte of every file the rank's staging wrote: per checkpoint shard holding an Engram
+        tensor, a copy of the same size whose header bytes are the shard's, whose rank rows of each
+        Engram tensor are the shard's at the same offsets, and whose every other byte is zero; the
+        index byte for byte; engram-local.json; the manifest."""
+        assert layout == "sparse"
         wb, sb = self.row_values, self.scale_values or 0
-        local = {}
+        local, shards = {}, {}
         for layer in self.layers:
             lo, hi = self.expected_range(layer, tp, rank)
             local[str(layer)] = [lo, hi]
-            total = sum(self.sizes[layer])
-            w = self.tensors[WEIGHT.format(layer=layer)]
-            s = self.tensors[SCALE.format(layer=layer)] if sb else None
-            if layout == "sparse":
-                for t, rb, kind in ((w, wb, "weight"), (s, sb, "scale")):
-                    if t is None:
-                        assert not (dest / f"engram-L{layer}.{kind}.bin").exists()
-                        continue
-                    data = (dest / f"engram-L{layer}.{kind}.bin").read_bytes()
-                    assert len(data) == total * rb
-                    assert data[:lo * rb] == bytes(lo * rb)
-                    assert data[lo * rb:hi * rb] == read_rows(t, lo, hi)
-                    assert data[hi * rb:] == bytes((total - hi) * rb)
-            else:
-                data = (dest / f"engram-L{layer}.packed.bin").read_bytes()
-                assert data[:8] == b"DCTLENG1"
-                hsize, n = struct.unpack("<II", data[8:16])
-                assert hsize == 4096
-                head = json.loads(data[16:16 + n])
-                assert data[16 + n:4096] == bytes(4096 - 16 - n)
-                assert (head["layer"], head["row_start"], head["row_end"], head["total_rows"]) == (layer, lo, hi, total)
-                rec = wb + sb
-                assert head["record_bytes"] == rec and head["data_offset"] == 4096
-                body = data[4096:]
-                assert len(body) == (hi - lo) * rec
-                wrows, srows = read_rows(w, lo, hi), (read_rows(s, lo, hi) if s else b"")
-                want = b"".join(wrows[i * wb:(i + 1) * wb] + srows[i * sb:(i + 1) * sb] for i in range(hi - lo))
-                assert body == want
+            for name, rb in ((WEIGHT, wb), (SCALE, sb)):
+                if rb:
+                    t = self.tensors[name.format(layer=layer)]
+                    shards.setdefault(t.file.name, []).append((t, lo, hi))
+        for fname, parts in shards.items():
+            src = (self.ckpt / fname).read_bytes()
+            data = (dest / fname).read_bytes()
+            assert len(data) == len(src), fname
+            hlen = 8 + struct.unpack("<Q", src[:8])[0]
+            want = bytearray(len(src))
+            want[:hlen] = src[:hlen]
+            for t, lo, hi in parts:
+                a, b = t.offset + lo * t.row_bytes, t.offset + hi * t.row_bytes
+                want[a:b] = read_rows(t, lo, hi)
+            assert data == bytes(want), f"{fname}: differs from header + rank {rank}'s rows + zeros"
+        assert sorted(p for p in os.listdir(dest) if p.endswith(".safetensors")) == sorted(shards)
+        assert (dest / "model.safetensors.index.json").read_bytes() == \
+            (self.ckpt / "model.safetensors.index.json").read_bytes()
         assert json.loads((dest / "engram-local.json").read_text()) == {"layers": local}
         m = json.loads((dest / "engram-manifest.json").read_text())
         assert m["complete"] and (m["tp"], m["rank"], m["layout"]) == (tp, rank, layout)
         assert {k: [v["row_start"], v["row_end"]] for k, v in m["layers"].items()} == local
-        assert not [p for p in os.listdir(dest) if p.endswith(".tmp")]
+        assert not [p for p in os.listdir(dest) if p.endswith(".tmp") or p.startswith("engram-L")]

@@ -1,7 +1,11 @@
 """`deployctl stage` on the 4-host test cluster: each host stages its rank's rows from its own checkpoint
-copy through Ansible (playbooks/stage-engram.yml); a host whose NVMe is full fails alone."""
+copy through Ansible (playbooks/stage-engram.yml); a host whose NVMe is full fails alone; then the
+engine double, launched by `deployctl up` in every host's container, reads its rank's rows from the
+staged folder (DSV41_ENGRAM_DIR=/engram) exactly as the patched vLLM engram.py does."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -10,9 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from orchestrator.deployment import load_deployment
-from tests.engram_synth import Synth
+from tests.engram_synth import SCALE, WEIGHT, Synth, read_rows
+from tests.test_launch import _docker, containers, dctl, double_image, remove_all, write_inventory  # noqa: F401
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[1]
@@ -114,3 +120,85 @@ def test_restage_of_a_staged_cluster_asks_over_ssh_without_ansible(engram_cluste
     assert res["node2"]["status"] == "ok" and "TASK [" in Path(res["node2"]["log"]).read_text()
     assert [res[h]["status"] for h in ("node1", "node3", "node4")] == ["skipped"] * 3
     s.check_dest(Path(dep.engram_dir(dep.cluster.host("node2"))), 4, 1, "sparse")
+
+
+LAUNCH_DEP, LAUNCH_PORT, RECORD = "le4", 18002, "/tmp/dctl-record"
+
+
+def test_engine_reads_the_staged_rows_in_every_container(engram_cluster, staged, double_image, tmp_path):
+    """`deployctl up --only launch --only health` with the engine double as vLLM: every container gets
+    DSV41_ENGRAM_DIR=/engram (its host's staged folder, mounted read-only); the double finds its rank's
+    rows covered by engram-local.json, reads them through the folder's index and shard headers, and
+    finds them equal to the model folder's; its record of the rows it read matches the checkpoint."""
+    cluster, s, dep = engram_cluster
+    p, _ = deployctl_stage(cluster.inventory_path, s.cluster_sets)      # current (earlier tests restage)
+    assert p.returncode == 0, p.stderr
+    sets = dict(x.split("=", 1) for x in s.cluster_sets)
+    overrides = {"model.repo": dep.recipe.model.repo, "model.checkpoint_gb": dep.recipe.model.checkpoint_gb,
+                 **{k: yaml.safe_load(v) for k, v in sets.items()},
+                 "engine.master_port": 29621, "engine.env.DOUBLE_RECORD_DIR": RECORD,
+                 "engine.env.DOUBLE_ENGRAM_SAMPLES": "32"}
+    # the test hosts are small: no host-memory gate, no page-cache drop before the start (where the
+    # recipe has them)
+    engine_fields = {f.name for f in dataclasses.fields(type(dep.recipe.engine))}
+    overrides.update({f"engine.{k}": v for k, v in (("min_mem_available_gib", 0), ("drop_caches", False))
+                      if k in engine_fields})
+    inv = write_inventory(cluster, tmp_path / "inventory.yml", LAUNCH_DEP, "deepseek-v41-flash-tp4",
+                          [h.name for h in cluster.hosts], LAUNCH_PORT, overrides)
+    launch_dep = load_deployment(inv)
+    for h in launch_dep.cluster.hosts:      # the same checkpoint copies and staged folders as above
+        assert launch_dep.checkpoint_dir(h) == dep.checkpoint_dir(h)
+        assert launch_dep.engram_dir(h) == dep.engram_dir(h)
+    remove_all(cluster, LAUNCH_DEP)
+    try:
+        p = dctl("up", "-i", str(inv), "--only", "launch", "--only", "health", timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+        for h in launch_dep.cluster.hosts:
+            (cid,) = containers(cluster, h.name, LAUNCH_DEP)
+            env = json.loads(_docker(h.docker_host, "inspect", cid).stdout)[0]["Config"]["Env"]
+            assert "DSV41_ENGRAM_DIR=/engram" in env and "DSV41_ENGRAM_DISK=1" in env
+            logs = _docker(h.docker_host, "logs", cid)
+            text = logs.stdout + logs.stderr
+            rec = _docker(h.docker_host, "exec", cid, "cat", f"{RECORD}/engram-rows-rank{h.rank}.json")
+            assert rec.returncode == 0, rec.stderr
+            doc = json.loads(rec.stdout)
+            for layer in s.layers:
+                lo, hi = s.expected_range(layer, 4, h.rank)
+                assert f"Engram rows from local dir /engram: layer {layer} rows [{lo}, {hi})" in text, text
+                assert f"Engram layer {layer}: " in text and "identical to the model folder's" in text
+                got = doc["layers"][str(layer)]
+                assert (got["source"], got["dir"], got["row_start"], got["num_rows"]) == ("local", "/engram", lo, hi - lo)
+                assert got["compared"] and str(lo) in got["rows"] and str(hi - 1) in got["rows"]
+                for row, (w, sc) in got["rows"].items():
+                    r = int(row)
+                    want_w = read_rows(s.tensors[WEIGHT.format(layer=layer)], r, r + 1)
+                    want_s = read_rows(s.tensors[SCALE.format(layer=layer)], r, r + 1)
+                    assert (w, sc) == (hashlib.sha256(want_w).hexdigest(), hashlib.sha256(want_s).hexdigest())
+            assert "Engram rows from model folder" not in text
+    finally:
+        dctl("down", "-i", str(inv), timeout=180)
+        remove_all(cluster, LAUNCH_DEP)
+
+
+def test_auto_staging_links_a_nodes_own_checkpoint(engram_cluster, staged):
+    """engram.staging auto (the recipes' default) with each node's own checkpoint copy (sync-model source
+    head) on the same filesystem as its NVMe folder: every host links the Engram shards instead of
+    copying (nothing written), and says so; switching back to copy restages real sparse copies."""
+    cluster, s, dep = engram_cluster
+    auto = [x for x in s.cluster_sets if not x.startswith("engram.staging=")] + ["engram.staging=auto"]
+    try:
+        p, doc = deployctl_stage(cluster.inventory_path, auto)
+        assert p.returncode == 0, p.stderr
+        for h in dep.cluster.hosts:
+            r = results(doc)[h.name]
+            assert r["status"] == "ok" and r["data"]["mode"] == "link" and r["data"]["bytes_written"] == 0, r
+            assert r["message"].startswith("linked the checkpoint's Engram shards"), r["message"]
+            dest, ckpt = Path(dep.engram_dir(h)), Path(dep.checkpoint_dir(h))
+            for name in r["data"]["files"]:
+                a, b = (dest / name).stat(), (ckpt / name).stat()
+                assert (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    finally:
+        p, doc = deployctl_stage(cluster.inventory_path, s.cluster_sets)
+        assert p.returncode == 0, p.stderr
+    for h in dep.cluster.hosts:
+        s.check_dest(Path(dep.engram_dir(h)), 4, h.rank)

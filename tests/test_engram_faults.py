@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from orchestrator.cli import cli
 from orchestrator.errors import InputError, StageFailed
 from orchestrator.tables import engram_stage as op
-from tests.engram_synth import RECIPE, WEIGHT, Synth
+from tests.engram_synth import RECIPE, SCALE, WEIGHT, Synth
 
 MANIFEST, LOCAL = "engram-manifest.json", "engram-local.json"
 
@@ -71,23 +71,23 @@ def test_enospc_mid_write_leaves_no_manifest(mid, tiny_fs, monkeypatch):
     assert not [p for p in left if p.endswith(".tmp")]
     monkeypatch.undo()
     assert op.stage(mid.spec(8, 0), mid.ckpt, dest)["status"] == "ok"        # and it recovers
-    mid.check_dest(dest, 8, 0, "sparse")
+    mid.check_dest(dest, 8, 0)
 
 
 def test_killed_run_then_rerun_completes(tmp_path):
-    s = Synth(tmp_path, [1, 14], [60000, 60000, 60000], 8, 32, 1, seed=3)     # ~95 MB of rows
+    s = Synth(tmp_path, [1, 14], [300000, 300000, 300000], 8, 32, 1, seed=3)     # ~475 MB of rows
     dest = tmp_path / "d"
-    assert op.stage(s.spec(4, 0, "packed"), s.ckpt, dest)["status"] == "ok"
+    assert op.stage(s.spec(4, 0), s.ckpt, dest)["status"] == "ok"
     spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps(s.spec(1, 0, "packed").to_json()))
+    spec_file.write_text(json.dumps(s.spec(1, 0).to_json()))
     argv = [sys.executable, "-m", "orchestrator.tables", "engram-stage", "--spec", str(spec_file),
             "--checkpoint", str(s.ckpt), "--dest", str(dest), "--threads", "1"]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     t0 = time.monotonic()
-    while not any(n.endswith(".tmp") for n in os.listdir(dest)):
+    while not any(n.endswith(".safetensors.tmp") for n in os.listdir(dest)):   # the shard copies begun
         assert p.poll() is None and time.monotonic() - t0 < 30, "the run ended before writing"
-        time.sleep(0.005)
-    time.sleep(0.2)
+        time.sleep(0.002)
+    time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert p.returncode == -signal.SIGKILL
@@ -103,16 +103,14 @@ def test_killed_run_then_rerun_completes(tmp_path):
     assert (m["tp"], m["rank"]) == (1, 0)
 
 
-@pytest.mark.parametrize("layout", ["sparse", "packed"])
-def test_corrupt_byte_caught_by_verify(small, tmp_path, layout):
+def test_corrupt_byte_caught_by_verify(small, tmp_path):
     dest = tmp_path / "d"
-    spec = small.spec(4, 2, layout, chunk_bytes=4096)
+    spec = small.spec(4, 2, chunk_bytes=4096)
     assert op.stage(spec, small.ckpt, dest)["status"] == "ok"
     lo, hi = small.expected_range(14, 4, 2)
-    if layout == "sparse":
-        name, pos, start = "engram-L14.weight.bin", (lo + 1000) * 32 + 5, lo * 32
-    else:
-        name, pos, start = "engram-L14.packed.bin", 4096 + 1000 * 33 + 5, 4096
+    t = small.tensors[WEIGHT.format(layer=14)]                   # its shard holds only this Engram tensor
+    name, start = t.file.name, t.offset + lo * 32
+    pos = start + 1000 * 32 + 5
     with open(dest / name, "r+b") as f:
         f.seek(pos)
         b = f.read(1)
@@ -121,11 +119,34 @@ def test_corrupt_byte_caught_by_verify(small, tmp_path, layout):
     entry = next(f for f in json.loads((dest / MANIFEST).read_text())["files"] if f["name"] == name)
     chunk = (pos - start) // entry["chunk_bytes"]
     assert chunk > 0
-    with pytest.raises(StageFailed, match=rf"{name} chunk {chunk} \(bytes"):
+    lo_b = start + chunk * entry["chunk_bytes"]
+    with pytest.raises(StageFailed, match=rf"{name} chunk {chunk} \(bytes {lo_b}\.\.{lo_b + 4096}\)"):
         op.stage(spec, small.ckpt, dest, verify=True)
     assert not (dest / MANIFEST).exists()                        # nothing claims the data is good now
     assert op.stage(spec, small.ckpt, dest)["status"] == "ok"    # the next run restages
-    small.check_dest(dest, 4, 2, layout)
+    small.check_dest(dest, 4, 2)
+
+
+def test_damaged_header_caught_by_verify_and_fidelity(small, tmp_path):
+    """The copy's safetensors header is what the engine parses for every offset: a changed byte in it
+    fails --verify (header digest), and a copy without its header fails the engine's-way read back."""
+    dest = tmp_path / "d"
+    spec = small.spec(4, 1)
+    assert op.stage(spec, small.ckpt, dest)["status"] == "ok"
+    name = small.tensors[SCALE.format(layer=1)].file.name
+    with open(dest / name, "r+b") as f:
+        f.seek(20)
+        b = f.read(1)
+        f.seek(20)
+        f.write(b"x" if b != b"x" else b"y")
+    with pytest.raises(StageFailed, match=rf"{name} header"):
+        op.stage(spec, small.ckpt, dest, verify=True)
+    assert op.stage(spec, small.ckpt, dest)["status"] == "ok"
+    # without the header (the rows where they belong, the first bytes zero): the engine cannot read it
+    with open(dest / name, "r+b") as f:
+        f.write(bytes(8))
+    with pytest.raises(op.VerifyFailed, match="the engine's reader cannot find"):
+        op.fidelity_check(spec, op.resolve_sources(spec, small.ckpt), dest)
 
 
 def test_verify_through_the_cli_names_file_and_chunk(small, tmp_path):
@@ -133,12 +154,13 @@ def test_verify_through_the_cli_names_file_and_chunk(small, tmp_path):
     r = CliRunner().invoke(cli, cli_args(small, small.ckpt, dest, 1))
     assert r.exit_code == 0, r.output
     lo, _ = small.expected_range(1, 4, 1)
-    with open(dest / "engram-L1.scale.bin", "r+b") as f:
-        f.seek(lo + 3)
+    t = small.tensors[SCALE.format(layer=1)]
+    with open(dest / t.file.name, "r+b") as f:
+        f.seek(t.offset + lo + 3)
         f.write(b"\xee" if f.read(1) != b"\xee" else b"\x11")
     r = CliRunner().invoke(cli, cli_args(small, small.ckpt, dest, 1, "--verify"))
     assert r.exit_code == 1
-    assert "engram-L1.scale.bin chunk 0" in r.output and "sha256 differs" in r.output
+    assert f"{t.file.name} chunk 0" in r.output and "sha256 differs" in r.output
 
 
 def test_wrong_rank_refused(small, tmp_path):

@@ -1,5 +1,6 @@
-"""engram-stage: every byte of every rank's files, both layouts; idempotence; restage on change;
-the zipapp on a bare interpreter; the no-op on a real-size checkpoint."""
+"""engram-stage: every byte of every rank's shard copies; hard links; idempotence; restage on change
+(and over a folder of the old whole-layer format); the zipapp on a bare interpreter; the no-op on a
+real-size checkpoint."""
 from __future__ import annotations
 
 import json
@@ -32,81 +33,177 @@ def synth3(tmp_path_factory) -> Synth:
     return Synth(tmp_path_factory.mktemp("engram3"), [0, 3, 9], [100, 120], 3, 16, 2, seed=7)
 
 
-@pytest.mark.parametrize("layout", ["sparse", "packed"])
 @pytest.mark.parametrize("tp", [1, 2, 3, 4, 8])
-def test_every_byte_every_rank(synth, synth3, tmp_path, tp, layout):
+def test_every_byte_every_rank(synth, synth3, tmp_path, tp):
     for s in (synth, synth3):
         for rank in range(tp):
             dest = tmp_path / f"{id(s)}-{rank}"
-            res = op.stage(s.spec(tp, rank, layout, chunk_bytes=4096), s.ckpt, dest)
-            assert res["status"] == "ok", res
-            s.check_dest(dest, tp, rank, layout)
+            res = op.stage(s.spec(tp, rank, chunk_bytes=4096), s.ckpt, dest)
+            assert res["status"] == "ok" and res["mode"] == "copy", res
+            s.check_dest(dest, tp, rank)
 
 
 def test_no_scale_tensor(tmp_path):
     s = Synth(tmp_path, [2], [40], 4, 32, None)
-    for layout in ("sparse", "packed"):
-        for rank in range(3):
-            dest = tmp_path / f"{layout}{rank}"
-            assert op.stage(s.spec(3, rank, layout), s.ckpt, dest)["status"] == "ok"
-            s.check_dest(dest, 3, rank, layout)
+    for rank in range(3):
+        dest = tmp_path / f"d{rank}"
+        assert op.stage(s.spec(3, rank), s.ckpt, dest)["status"] == "ok"
+        s.check_dest(dest, 3, rank)
 
 
-def test_sparse_files_have_holes(synth, tmp_path):
+def test_copies_have_holes_and_take_only_the_staged_bytes(tmp_path):
+    """A rank's copy of a shard: the shard's size, but disk blocks only for its header page and its
+    rows' pages; the space check counts exactly those (allocated, not apparent, bytes)."""
+    s = Synth(tmp_path, [1, 14], [20000, 20000, 20000], 8, 32, 1, seed=5)     # ~30 MB of rows
     dest = tmp_path / "d"
-    op.stage(synth.spec(8, 7), synth.ckpt, dest)
-    st = (dest / "engram-L14.weight.bin").stat()
-    lo, hi = synth.expected_range(14, 8, 7)
-    fd = os.open(dest / "engram-L14.weight.bin", os.O_RDONLY)
+    res = op.stage(s.spec(8, 7), s.ckpt, dest)
+    t = s.tensors[WEIGHT.format(layer=14)]
+    copy = dest / t.file.name
+    st = copy.stat()
+    lo, hi = s.expected_range(14, 8, 7)
+    fd = os.open(copy, os.O_RDONLY)
     try:
-        assert os.lseek(fd, 0, os.SEEK_DATA) >= lo * 32 // 4096 * 4096      # nothing written before the range
+        hole_from = os.lseek(fd, 0, os.SEEK_HOLE)                     # the header page, then a hole
+        assert hole_from <= -(-(8 + 4096) // 4096) * 4096 < t.offset + lo * 32
+        assert os.lseek(fd, hole_from, os.SEEK_DATA) >= (t.offset + lo * 32) // 4096 * 4096
     finally:
         os.close(fd)
-    assert st.st_blocks * 512 < st.st_size
+    assert st.st_size == t.file.stat().st_size and st.st_blocks * 512 < st.st_size // 4
+    on_disk = sum((dest / n).stat().st_blocks * 512 for n in res["files"]) + 4096
+    m = json.loads((dest / "engram-manifest.json").read_text())
+    assert abs(m["allocated_bytes"] - on_disk) <= 4096 * len(res["files"]), (m["allocated_bytes"], on_disk)
+    assert m["allocated_bytes"] < m["apparent_bytes"] // 4
+    chk = op.check(s.spec(8, 7), s.ckpt, tmp_path / "new")
+    assert chk["need_bytes"] == m["allocated_bytes"] and chk["apparent_bytes"] == m["apparent_bytes"]
+
+
+def test_link_mode_links_every_shard_and_copies_nothing(synth, tmp_path):
+    """engram.staging auto on a node whose checkpoint shares the filesystem: the shards are hard links
+    (every row, the checkpoint's own bytes), the engine reads them the same way; a restage by copy
+    replaces the links; verify checks the links."""
+    dest = tmp_path / "d"
+    spec = synth.spec(4, 1, staging="auto")
+    assert spec.link
+    res = op.stage(spec, synth.ckpt, dest)
+    assert res["status"] == "ok" and res["mode"] == "link" and res["bytes_written"] == 0, res
+    for name in res["files"]:
+        a, b = (dest / name).stat(), (synth.ckpt / name).stat()
+        assert (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    assert (dest / "model.safetensors.index.json").read_bytes() == \
+        (synth.ckpt / "model.safetensors.index.json").read_bytes()
+    m = json.loads((dest / "engram-manifest.json").read_text())
+    assert m["mode"] == "link" and m["allocated_bytes"] == 4096 and all(f["sha256"] == [] for f in m["files"])
+    chk = op.check(spec, synth.ckpt, tmp_path / "other")
+    assert chk["mode"] == "link" and chk["need_bytes"] == 4096
+    assert op.check_rank(dest, spec.ranges())["rank"] == 1
+    res = op.stage(spec, synth.ckpt, dest, verify=True)
+    assert res["status"] == "skipped" and "every link is still the checkpoint's shard" in res["reason"]
+    # the checkpoint's shard replaced (a resync writes a new file): no longer the same inode -> relinked
+    shard = synth.tensors[WEIGHT.format(layer=1)].file
+    tmp = shard.with_name(shard.name + ".new")
+    tmp.write_bytes(shard.read_bytes())
+    st = shard.stat()
+    os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(tmp, shard)
+    res = op.stage(spec, synth.ckpt, dest)
+    assert res["status"] == "ok" and "no longer a link" in res["reason"], res
+    # engram.staging copy: the links are replaced by sparse copies (the checkpoint's files untouched)
+    res = op.stage(synth.spec(4, 1), synth.ckpt, dest)
+    assert res["status"] == "ok" and res["mode"] == "copy" and "link True -> False" in res["reason"], res
+    synth.check_dest(dest, 4, 1)
+    assert all((synth.ckpt / n).stat().st_nlink == 1 for n in res["files"])
+    # a shared checkpoint (sync-model source shared) is never linked
+    r = load_recipe(RECIPE, synth.sets(staging="auto") + ["model.source=shared", "model.shared_path=/mnt/m"]).recipe
+    assert not engram_spec(r, 1).link
+
+
+def test_link_refused_falls_back_to_copy(synth, tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise OSError(18, "Invalid cross-device link")
+    monkeypatch.setattr(op.os, "link", refuse)
+    dest = tmp_path / "d"
+    res = op.stage(synth.spec(4, 2, staging="auto"), synth.ckpt, dest)
+    assert res["status"] == "ok" and res["mode"] == "copy", res
+    synth.check_dest(dest, 4, 2)
 
 
 def test_skip_is_fast_reads_no_data_and_says_why(synth, tmp_path, monkeypatch):
     dest = tmp_path / "d"
-    spec = synth.spec(4, 2, "packed")
+    spec = synth.spec(4, 2)
     assert op.stage(spec, synth.ckpt, dest)["status"] == "ok"
 
     def boom(*a, **k):
         raise AssertionError("table data was read on a no-op")
     for name in ("copy_segments", "hash_chunks"):
         monkeypatch.setattr(bulkcopy, name, boom)
-    monkeypatch.setattr(op.Copier, "run", boom)
     monkeypatch.setattr(op, "read_checkpoint_row", boom)
-    monkeypatch.setattr(op, "read_staged_row", boom)
+    monkeypatch.setattr(op.EngineView, "row", boom)
     t0 = time.monotonic()
     res = op.stage(spec, synth.ckpt, dest)
     assert time.monotonic() - t0 < 2
     assert res["status"] == "skipped"
-    assert "already staged: rank 2 of 4, layout packed" in res["reason"]
+    assert "already staged: rank 2 of 4, layout sparse, 4 shard copies" in res["reason"]
 
 
-def test_restage_on_changed_checkpoint_rank_and_layout(synth, tmp_path):
+def test_restage_on_changed_checkpoint_rank_and_index(synth, tmp_path):
     dest = tmp_path / "d"
     assert op.stage(synth.spec(4, 1), synth.ckpt, dest)["status"] == "ok"
     # another rank into the same folder: restaged, the old rows are gone
     res = op.stage(synth.spec(4, 3), synth.ckpt, dest)
     assert res["status"] == "ok" and "rank 1 -> 3" in res["reason"]
-    synth.check_dest(dest, 4, 3, "sparse")
-    # another layout: the sparse files are removed
-    res = op.stage(synth.spec(4, 3, "packed"), synth.ckpt, dest)
-    assert res["status"] == "ok" and "layout 'sparse' -> 'packed'" in res["reason"]
-    assert sorted(p for p in os.listdir(dest) if p.endswith(".bin")) == ["engram-L1.packed.bin",
-                                                                        "engram-L14.packed.bin"]
-    synth.check_dest(dest, 4, 3, "packed")
+    synth.check_dest(dest, 4, 3)
     # the checkpoint changed (a shard rewritten: new mtime)
     shard = synth.tensors[WEIGHT.format(layer=14)].file
     st = shard.stat()
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     try:
-        res = op.stage(synth.spec(4, 3, "packed"), synth.ckpt, dest)
+        res = op.stage(synth.spec(4, 3), synth.ckpt, dest)
         assert res["status"] == "ok" and "checkpoint changed" in res["reason"] and shard.name in res["reason"]
-        assert op.stage(synth.spec(4, 3, "packed"), synth.ckpt, dest)["status"] == "skipped"
+        assert op.stage(synth.spec(4, 3), synth.ckpt, dest)["status"] == "skipped"
     finally:
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert op.stage(synth.spec(4, 3), synth.ckpt, dest)["status"] == "ok"      # the old mtime is a change too
+    # the index changed (the copy in DEST must be the checkpoint's): restaged
+    index = synth.ckpt / "model.safetensors.index.json"
+    old = index.read_bytes()
+    index.write_bytes(old.replace(b'"metadata"', b'"metadata" ', 1))
+    try:
+        res = op.stage(synth.spec(4, 3), synth.ckpt, dest)
+        assert res["status"] == "ok" and "model.safetensors.index.json" in res["reason"], res
+        assert (dest / "model.safetensors.index.json").read_bytes() == index.read_bytes()
+    finally:
+        index.write_bytes(old)
+    assert op.stage(synth.spec(4, 3), synth.ckpt, dest)["status"] == "ok"      # and back
+    # the index in DEST damaged: restaged
+    (dest / "model.safetensors.index.json").write_text("{}")
+    res = op.stage(synth.spec(4, 3), synth.ckpt, dest)
+    assert res["status"] == "ok" and "differs from the checkpoint's" in res["reason"], res
+    synth.check_dest(dest, 4, 3)
+
+
+def test_restage_over_the_old_whole_layer_format(synth, tmp_path):
+    """A folder staged by manifest version 1 (engram-L{L}.weight.bin / .scale.bin, no header, no index:
+    nothing the engine reads): restaged, the old files removed, their space counted as reclaimable."""
+    dest = tmp_path / "d"
+    dest.mkdir()
+    for name in ("engram-L1.weight.bin", "engram-L1.scale.bin", "engram-L14.weight.bin", "engram-L14.scale.bin"):
+        with open(dest / name, "wb") as f:
+            f.write(b"\1" * 8192)
+    (dest / "engram-local.json").write_text(json.dumps({"layers": op.local_ranges(synth.spec(4, 0))}))
+    (dest / "engram-manifest.json").write_text(json.dumps({"format": op.MANIFEST_FORMAT, "version": 1,
+                                                          "complete": True}))
+    chk = op.check(synth.spec(4, 0), synth.ckpt, dest)
+    assert not chk["up_to_date"] and chk["reclaimable_bytes"] >= 4 * 8192
+    res = op.stage(synth.spec(4, 0), synth.ckpt, dest)
+    assert res["status"] == "ok" and "another version" in res["reason"]
+    synth.check_dest(dest, 4, 0)
+
+
+def test_packed_layout_is_refused_with_the_reason(synth):
+    with pytest.raises(Exception, match="packed"):
+        load_recipe(RECIPE, synth.sets() + ["engram.layout=packed"])
+    with pytest.raises(op.InputError, match="'packed' was removed, no engine reads it"):
+        op.Spec.from_json({**synth.spec(4, 0).to_json(), "layout": "packed"})
 
 
 def test_cli_stage_json_and_text(synth, tmp_path):
@@ -118,7 +215,7 @@ def test_cli_stage_json_and_text(synth, tmp_path):
     doc = json.loads(r.output)
     assert doc["status"] == "ok" and doc["ranges"] == {"1": list(synth.expected_range(1, 4, 1)),
                                                        "14": list(synth.expected_range(14, 4, 1))}
-    synth.check_dest(dest, 4, 1, "sparse")
+    synth.check_dest(dest, 4, 1)
     r = CliRunner().invoke(cli, args + ["--verify"])
     assert r.exit_code == 0 and r.output.startswith("skipped: already staged"), r.output
     r = CliRunner().invoke(cli, args[:-1] + ["4"])
@@ -129,7 +226,7 @@ def test_zipapp_on_a_bare_interpreter(synth, tmp_path):
     """The host-side path: the shipped zipapp, `python3 -I -S` (no site-packages: stdlib only)."""
     pyz = bundle.build(tmp_path)
     spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps(synth.spec(2, 0, "packed").to_json()))
+    spec_file.write_text(json.dumps(synth.spec(2, 0).to_json()))
     dest = tmp_path / "d"
     argv = ["python3", "-I", "-S", str(pyz), "engram-stage", "--spec", str(spec_file),
             "--checkpoint", str(synth.ckpt), "--dest", str(dest)]
@@ -140,7 +237,7 @@ def test_zipapp_on_a_bare_interpreter(synth, tmp_path):
     p = subprocess.run(argv + ["--rank", "1"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout.splitlines()[-1])["status"] == "ok"
-    synth.check_dest(dest, 2, 1, "packed")
+    synth.check_dest(dest, 2, 1)
     p = subprocess.run(argv + ["--rank", "1", "--verify"], capture_output=True, text=True, timeout=60)
     res = json.loads(p.stdout.splitlines()[-1])
     assert p.returncode == 0 and res["status"] == "skipped" and res["verified"], p.stdout
@@ -161,15 +258,22 @@ def test_noop_on_real_size_checkpoint_is_fast(tmp_path):
     dest = tmp_path / "nvme"
     dest.mkdir()
     sources = op.resolve_sources(spec, ckpt)
-    files = op.out_files(spec)
-    for f in files:                     # a staged folder as a real run leaves it (data: holes)
+    mode, _ = op.staging_mode(spec, sources, dest)
+    files = op.out_files(spec, sources, mode)
+    assert mode == "link"               # the recipe's default on a node's own checkpoint, same filesystem
+    files = op.out_files(spec, sources, "copy")
+    spec = op.Spec.from_json({**spec.to_json(), "link": False})
+    for f in files:                     # a staged folder as a real copy leaves it (data: holes)
         with open(dest / f.name, "wb") as fh:
             fh.truncate(f.size)
-    mfiles = [op._manifest_file(f, ["0" * 64] * len(f.chunks(spec.chunk_bytes)), spec.chunk_bytes) for f in files]
+    (dest / "model.safetensors.index.json").write_bytes(sources.index)
+    mfiles = [op._manifest_file(f, ["0" * 64] * f.chunk_count(spec.chunk_bytes), spec.chunk_bytes, "0" * 64)
+              for f in files]
     (dest / "engram-local.json").write_text(json.dumps({"layers": op.local_ranges(spec)}))
     (dest / "engram-manifest.json").write_text(json.dumps(op._manifest(spec, sources, files, mfiles, 0.0)))
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "orchestrator", "engram", "stage", "-r", RECIPE, "--rank", "2",
+                        "--set", "engram.staging=copy",
                         "--checkpoint", str(ckpt), "--dest", str(dest), "--json"],
                        capture_output=True, text=True, timeout=60)
     took = time.monotonic() - t0

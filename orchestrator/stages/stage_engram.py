@@ -7,6 +7,11 @@ apply: build the zipapp, write the playbook variables into the run record, run
 playbooks/stage-engram.yml on all hosts at once (orchestrator/executors/ansible.py), and turn each
 host's result into a HostResult: ok, skipped (already staged: the op's reason) or failed (the op's
 error, naming the host's file; or the playbook's space check naming host, path, need and free GB).
+
+What a host ends up with is what the patched vLLM reads through DSV41_ENGRAM_DIR (docs/engram-contract.md):
+the index, the checkpoint's Engram shards as sparse copies holding the rank's rows (or, with
+engram.staging auto on a node whose own checkpoint shares the filesystem, hard links to them),
+engram-local.json and the manifest. Launch mounts the folder and points engram.local_dir_env at it.
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ from ..errors import InputError
 from ..paths import PLAYBOOKS_DIR
 from ..plan import Action
 from ..recipe import Recipe, digest_of
-from ..tables.engram_stage import Spec, local_ranges, out_files
+from ..tables.engram_stage import Spec, local_ranges
+from ..tables.engram_stage import staged_bytes as _staged_bytes
 from .base import HostResult, Stage
 from .hostcheck import Probe, already_done, with_stdin_spec
 
@@ -45,13 +51,15 @@ def engram_spec(recipe: Recipe, rank: int, tp: int | None = None) -> Spec:
     spec = Spec(geometry=eg.geometry, weight_tensor=eg.weight_tensor, scale_tensor=eg.scale_tensor,
                 scale_dtype=eg.scale_dtype, scale_values_per_row=eg.scale_values_per_row,
                 layout=eg.layout, tp=tp or recipe.parallelism.tensor_parallel, rank=rank,
-                recipe=recipe.name, recipe_digest=recipe.digest, free_margin_gb=eg.free_margin_gb)
+                recipe=recipe.name, recipe_digest=recipe.digest, free_margin_gb=eg.free_margin_gb,
+                link=eg.staging == "auto" and recipe.model.source != "shared")
     spec.check(f"recipe {recipe.name}")
     return spec
 
 
 def staged_bytes(spec: Spec) -> int:
-    return sum(f.length for f in out_files(spec))
+    """Row bytes a rank's staging copies (the shard copies hold these, the rest is holes). Pure."""
+    return _staged_bytes(spec)
 
 
 @dataclass(frozen=True)
@@ -120,12 +128,14 @@ def plan(dep: "Deployment") -> tuple[list[Action], str]:
         ranges = ", ".join(f"L{k} [{lo}, {hi})" for k, (lo, hi) in j.ranges.items())
         acts.append(Action(
             STAGE_NAME, h.name, "ansible-playbook",
-            f"stage rank {h.rank}'s Engram rows ({ranges}; {j.bytes / 1e9:.2f} GB, {eg.layout}) "
+            f"stage rank {h.rank}'s Engram rows ({ranges}; {j.bytes / 1e9:.2f} GB, {eg.layout}, "
+            f"{'linked if the checkpoint shares the filesystem, else copied' if j.spec.get('link') else 'copied'}) "
             f"to {j.dest}",
             command=j.argv,
             details={"playbook": str(PLAYBOOK.relative_to(PLAYBOOKS_DIR.parent)), "checkpoint": j.checkpoint,
                      "dest": j.dest, "rank": h.rank, "bytes": j.bytes, "layout": eg.layout,
-                     "timeout_s": j.timeout_s, "free_margin_gb": eg.free_margin_gb},
+                     "timeout_s": j.timeout_s, "free_margin_gb": eg.free_margin_gb,
+                     "staging": eg.staging, "link": j.spec.get("link", False)},
             digest=digest_of({"spec": j.spec, "checkpoint": j.checkpoint, "dest": j.dest})))
     return acts, ""
 
@@ -188,6 +198,11 @@ def _host_result(job: HostJob, r: Any) -> HostResult:
     status = doc.get("status")
     if status == "skipped":
         return HostResult(job.host, STAGE_NAME, "skipped", doc.get("reason", "already staged"), data=doc)
+    if status == "ok" and doc.get("mode") == "link":
+        msg = (f"linked the checkpoint's Engram shards into {job.dest} ({doc.get('bytes', 0) / 1e9:.2f} GB of "
+               f"this rank's rows, nothing copied) in {doc.get('seconds', 0):.1f} s, "
+               f"{doc.get('fidelity_rows', 0)} rows checked the engine's way")
+        return HostResult(job.host, STAGE_NAME, "ok", msg, data=doc)
     if status == "ok":
         msg = (f"staged {doc.get('bytes', 0) / 1e9:.2f} GB to {job.dest} in {doc.get('seconds', 0):.1f} s "
                f"({doc.get('mb_per_s', 0):.0f} MB/s), {doc.get('fidelity_rows', 0)} rows checked "

@@ -1,4 +1,5 @@
-"""engram-stage: put one rank's rows of every Engram layer onto this node's disk, exactly and at disk speed.
+"""engram-stage: put one rank's rows of every Engram layer onto this node's disk, in the exact form the
+patched vLLM engine reads through DSV41_ENGRAM_DIR (docs/engram-contract.md), at disk speed.
 
 Runs on the node (from the zipapp: `python3 deployctl-tables-*.pyz engram-stage ...`) and locally
 (`deployctl engram stage`); standard library only. Usage:
@@ -20,39 +21,48 @@ Spec (`--spec`, JSON; built from a recipe by `deployctl`, see `Spec.to_json`):
      "weight_tensor": "layers.{layer}.engram.embed.weight",
      "scale_tensor": "layers.{layer}.engram.embed.scale",      # or null: no scale tensor
      "scale_dtype": "U8", "scale_values_per_row": 8,
-     "layout": "sparse" | "packed", "tp": 4, "rank": 1,
+     "layout": "sparse", "tp": 4, "rank": 1,
      "free_margin_gb": 5.0,                                     # optional
-     "chunk_bytes": 67108864}                                   # optional: checksum chunk size
+     "chunk_bytes": 67108864,                                   # optional: checksum chunk size
+     "link": true}                                              # optional: may hard-link (below)
 
-What lands in DEST:
-  layout "sparse" (default; what the patched vLLM reader expects): per layer L
-      engram-L{L}.weight.bin   as large as the whole layer table (total_rows x row bytes); only the
-      engram-L{L}.scale.bin    rank's rows are written, at their original offsets (global row r at
-                               byte r x row_bytes); the rest is a hole (never written, takes no space)
-      engram-local.json        {"layers": {"1": [lo, hi], "14": [lo, hi]}}: the rank's rows [lo, hi)
-  layout "packed": per layer L one dense file
-      engram-L{L}.packed.bin   a 4096-byte header, then the rank's rows as records of weight row +
-                               scale row (256 B FP8 + 8 B E8M0 for DeepSeek), local row i (global row
-                               lo + i) at byte 4096 + i x record_bytes. Header: b"DCTLENG1", u32 LE
-                               header size (4096), u32 LE length n, n bytes of JSON (`packed_header`:
-                               layer, row_start, row_end, total_rows, record_bytes, fields), zeros.
-      engram-local.json        as above
-  engram-manifest.json         written last: spec key, source identity (file names, sizes, mtimes,
-                               header digests), every file with its size, staged byte range and
-                               per-chunk sha256 (64 MiB chunks), recipe digest, tp, rank, layout.
+What lands in DEST (layout "sparse", the only one: what the patched engram.py reads, see
+docs/engram-contract.md for where each rule comes from):
+  model.safetensors.index.json   the checkpoint's index, byte for byte (written atomically)
+  <shard>.safetensors            for every checkpoint shard holding an Engram weight or scale tensor, a
+                                 sparse copy under the shard's own name: the same apparent size, the
+                                 original header bytes [0, 8 + header length), and only this rank's rows
+                                 [lo, hi) of each Engram tensor in the file, at their original offsets
+                                 (8 + header length + data_offsets[0] + row x row_bytes); everything else
+                                 is a hole (never written, takes no space)
+  engram-local.json              {"layers": {"1": [lo, hi], "14": [lo, hi]}}: the rows present, per layer;
+                                 the engine uses the folder for a layer only if this covers its rows
+  engram-manifest.json           written last: spec key, source identity (file names, sizes, mtimes,
+                                 header digests, the index's sha256), every file with its size, header
+                                 digest, staged byte ranges and per-chunk sha256 over those ranges only
+                                 (64 MiB chunks), recipe digest, tp, rank, layout.
 
-Atomicity: the old manifest and engram-local.json are removed (and the folder fsynced) before any
-data is touched; data files are written under temporary names (.NAME.tmp), fsynced and renamed;
-the fidelity check runs on the renamed files; engram-local.json then the manifest are written
-atomically. So a manifest always describes complete data, and a killed run is simply re-run.
+Link mode ("link": true, from engram.staging auto on a node whose checkpoint is its own): when DEST is
+on the filesystem of every Engram shard, each <shard>.safetensors is a hard link to the checkpoint's
+shard instead of a copy: every row present at its own offset, nothing written (reading it costs the
+engine what reading a copy costs; docs/engram-contract.md has the figures). The manifest then records
+the links' inodes instead of chunk hashes; a shard replaced in the checkpoint (a new inode) is
+relinked. A filesystem that refuses the link (EXDEV, EPERM, ...) gets copies.
 
-Idempotence: same spec key (geometry, tensor names, dtypes, layout, tp, rank) + same source
-identity + every file present with its size + same engram-local.json -> "skipped" without reading
-table data (only the index and the relevant safetensors headers). The whole-recipe digest is
-recorded but does not force a restage (changing an engine flag must not copy 196 GB again).
+Atomicity: the old manifest and engram-local.json are removed (and the folder fsynced) before any data
+is touched: from then on the engine falls back to the model folder for this folder. Shard copies are
+written under temporary names (.NAME.tmp), fsynced and renamed; then the index (atomically); the
+fidelity check reads rows back through the index and headers in DEST exactly as the engine does;
+engram-local.json then the manifest are written atomically. So a manifest always describes complete
+data, and a killed run is simply re-run.
 
-`check_rank(dest, expected_ranges)` is what the launch stage uses to refuse a host whose staged
-rows belong to another rank; `read_staged_row` reads one row the way the engine does.
+Idempotence: same spec key (geometry, tensor names, dtypes, layout, tp, rank) + same source identity
++ every file present with its size + the same index + the same engram-local.json -> "skipped" without
+reading table data (only the index and the relevant safetensors headers). The whole-recipe digest is
+recorded but does not force a restage (changing an engine flag must not copy 49 GB again).
+
+`check_rank(dest, expected_ranges)` is what the launch stage uses to refuse a host whose staged rows
+belong to another rank; `EngineView` reads rows the way the engine does.
 """
 from __future__ import annotations
 
@@ -67,29 +77,27 @@ import struct
 import sys
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import DeployctlError, InputError, StageFailed
-from ..fsutil import atomic_write_text, fsync_dir
+from ..fsutil import atomic_write_bytes, atomic_write_text, fsync_dir
 from . import bulkcopy
 from .geometry import RankRange, TableGeometry, rank_ranges
-from .safetensors import DTYPE_BYTES, Checkpoint, TensorInfo
+from .safetensors import DTYPE_BYTES, INDEX_NAME, MAX_HEADER, Checkpoint, TensorInfo
 
 SPEC_KIND = "engram-stage-spec"
 SPEC_VERSION = 1
+LAYOUTS = ("sparse",)
 MANIFEST_NAME = "engram-manifest.json"
 MANIFEST_FORMAT = "deployctl-engram-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2               # 1: deployctl's own engram-L{L}.*.bin files, which no engine read
 LOCAL_NAME = "engram-local.json"
 LOCK_NAME = ".engram-stage.lock"
-PACKED_MAGIC = b"DCTLENG1"
-PACKED_HEADER_BYTES = 4096
 CHUNK_BYTES = 64 * 1024 * 1024     # checksum granularity
-IO_BYTES = 8 * 1024 * 1024         # one read/hash/write piece (per thread: bounded memory)
-FIDELITY_SAMPLES = 16              # random rows per layer, besides the first and last
+PAGE = 4096
+FIDELITY_SAMPLES = 16              # random rows per layer and field, besides the first and last
 SCALE_ALIASES = ({"U8", "E8M0", "F8_E8M0"},)   # one-byte E8M0 scales are labelled either way
 
 
@@ -118,6 +126,7 @@ class Spec:
     recipe_digest: str = ""
     free_margin_gb: float = 0.0
     chunk_bytes: int = CHUNK_BYTES
+    link: bool = False          # hard-link the Engram shards when DEST shares the checkpoint's filesystem
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], source: str = "spec") -> "Spec":
@@ -154,13 +163,15 @@ class Spec:
                    layout=need("layout", str), tp=need("tp", int), rank=need("rank", int),
                    recipe=str(d.get("recipe", "")), recipe_digest=str(d.get("recipe_digest", "")),
                    free_margin_gb=float(d.get("free_margin_gb", 0.0)),
-                   chunk_bytes=int(d.get("chunk_bytes", CHUNK_BYTES)))
+                   chunk_bytes=int(d.get("chunk_bytes", CHUNK_BYTES)), link=bool(d.get("link", False)))
         spec.check(source)
         return spec
 
     def check(self, source: str = "spec") -> None:
-        if self.layout not in ("sparse", "packed"):
-            raise InputError(f"expected 'sparse' or 'packed', got {self.layout!r}", file=source, key="layout")
+        if self.layout not in LAYOUTS:
+            why = (": 'packed' was removed, no engine reads it (the patched vLLM reads only sparse copies "
+                   "of the checkpoint's own shards, docs/engram-contract.md)" if self.layout == "packed" else "")
+            raise InputError(f"expected 'sparse', got {self.layout!r}{why}", file=source, key="layout")
         if self.tp < 1:
             raise InputError(f"must be >= 1, got {self.tp}", file=source, key="tp")
         if not 0 <= self.rank < self.tp:
@@ -190,7 +201,7 @@ class Spec:
                 "weight_tensor": self.weight_tensor, "scale_tensor": self.scale_tensor,
                 "scale_dtype": self.scale_dtype, "scale_values_per_row": self.scale_values_per_row,
                 "layout": self.layout, "tp": self.tp, "rank": self.rank,
-                "free_margin_gb": self.free_margin_gb, "chunk_bytes": self.chunk_bytes}
+                "free_margin_gb": self.free_margin_gb, "chunk_bytes": self.chunk_bytes, "link": self.link}
 
     def with_rank(self, rank: int) -> "Spec":
         d = self.to_json()
@@ -223,7 +234,7 @@ class Spec:
         return rank_ranges(self.geometry, self.tp, self.rank)
 
     def fields(self, layer: int) -> list[tuple[str, str, str, int]]:
-        """(field, tensor name, dtype, row bytes) of a layer, in record order."""
+        """(field, tensor name, dtype, row bytes) of a layer: weight, then scale."""
         out = [("weight", self.weight_tensor.format(layer=layer), self.geometry.dtype, self.weight_row_bytes)]
         if self.scale_tensor is not None:
             out.append(("scale", self.scale_tensor.format(layer=layer), self.scale_dtype, self.scale_row_bytes))
@@ -235,103 +246,9 @@ def local_ranges(spec: Spec) -> dict[str, list[int]]:
     return {str(r.layer): [r.row_start, r.row_end] for r in spec.ranges()}
 
 
-# ---------------------------------------------------------------------------------------------------
-# What is written: one OutFile per data file (pure: from the spec alone)
-
-@dataclass(frozen=True)
-class Field:
-    name: str            # weight | scale
-    tensor: str
-    dtype: str
-    row_bytes: int
-
-
-@dataclass(frozen=True)
-class OutFile:
-    name: str
-    layer: int
-    kind: str            # weight | scale | packed
-    fields: tuple[Field, ...]
-    row_start: int       # the rank's global rows [row_start, row_end)
-    row_end: int
-    total_rows: int      # rows of the whole layer table
-    offset: int          # byte offset of global row row_start in the file
-    size: int            # apparent file size
-    header: bytes = b""  # written at offset 0 (packed)
-
-    @property
-    def record_bytes(self) -> int:
-        return sum(f.row_bytes for f in self.fields)
-
-    @property
-    def length(self) -> int:
-        return (self.row_end - self.row_start) * self.record_bytes
-
-    def row_offset(self, row: int) -> int:
-        return self.offset + (row - self.row_start) * self.record_bytes
-
-    def rows_per_piece(self) -> int:
-        return max(1, IO_BYTES // self.record_bytes)
-
-    def rows_per_chunk(self, chunk_bytes: int) -> int:
-        """Whole records per checksum chunk (a chunk is read/written in pieces of <= IO_BYTES)."""
-        return max(1, chunk_bytes // self.record_bytes)
-
-    def chunks(self, chunk_bytes: int) -> list[tuple[int, int]]:
-        """Global row ranges of the checksum chunks."""
-        step = self.rows_per_chunk(chunk_bytes)
-        return [(r, min(r + step, self.row_end)) for r in range(self.row_start, self.row_end, step)]
-
-    def allocated_bytes(self) -> int:
-        """Disk space the file takes (data blocks, rounded up to 4 KiB pages at both ends)."""
-        if self.length == 0:
-            return len(self.header) and 4096
-        lo, hi = self.offset // 4096 * 4096, -(-(self.offset + self.length) // 4096) * 4096
-        return hi - lo + (4096 if self.header else 0)
-
-
-def packed_header(spec: Spec, rr: RankRange, total_rows: int, fields: Iterable[Field]) -> bytes:
-    fields = list(fields)
-    doc = {"format": "deployctl-engram-packed", "version": 1, "layer": rr.layer,
-           "row_start": rr.row_start, "row_end": rr.row_end, "rows": rr.rows, "total_rows": total_rows,
-           "tp": spec.tp, "rank": spec.rank, "record_bytes": sum(f.row_bytes for f in fields),
-           "fields": [{"name": f.name, "dtype": f.dtype, "bytes": f.row_bytes} for f in fields],
-           "data_offset": PACKED_HEADER_BYTES}
-    blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    head = PACKED_MAGIC + struct.pack("<II", PACKED_HEADER_BYTES, len(blob)) + blob
-    assert len(head) <= PACKED_HEADER_BYTES
-    return head + b"\0" * (PACKED_HEADER_BYTES - len(head))
-
-
-def out_files(spec: Spec) -> list[OutFile]:
-    from .geometry import layer_tables
-    totals = {t.layer: t.rows for t in layer_tables(spec.geometry)}
-    out = []
-    for rr in spec.ranges():
-        fields = [Field(*f) for f in spec.fields(rr.layer)]
-        total = totals[rr.layer]
-        if spec.layout == "sparse":
-            for f in fields:
-                out.append(OutFile(f"engram-L{rr.layer}.{f.name}.bin", rr.layer, f.name, (f,),
-                                   rr.row_start, rr.row_end, total, rr.row_start * f.row_bytes,
-                                   total * f.row_bytes))
-        else:
-            rec = sum(f.row_bytes for f in fields)
-            out.append(OutFile(f"engram-L{rr.layer}.packed.bin", rr.layer, "packed", tuple(fields),
-                               rr.row_start, rr.row_end, total, PACKED_HEADER_BYTES,
-                               PACKED_HEADER_BYTES + rr.rows * rec, packed_header(spec, rr, total, fields)))
-    return out
-
-
-def is_our_file(name: str) -> bool:
-    """Data and temporary files this op writes (and may delete) in DEST."""
-    if name.startswith(".engram-L") and name.endswith(".tmp"):
-        return True
-    return name.startswith("engram-L") and name.endswith(".bin")
-
-
-def tmp_name(name: str) -> str:
-    return f".{name}.tmp"
+def staged_bytes(spec: Spec) -> int:
+    """Table bytes a rank's staging copies (weight + scale rows; headers and the index aside). Pure."""
+    return sum(r.rows for r in spec.ranges()) * spec.row_bytes
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -341,6 +258,9 @@ def tmp_name(name: str) -> str:
 class Sources:
     checkpoint: Checkpoint
     tensors: dict[tuple[int, str], TensorInfo]     # (layer, field) -> tensor
+    index: bytes                                   # model.safetensors.index.json, verbatim
+    sizes: dict[str, int]                          # shard name -> size, for the shards holding Engram tensors
+    data_starts: dict[str, int]                    # shard name -> 8 + header length
 
     def files(self) -> list[str]:
         return sorted({t.file.name for t in self.tensors.values()})
@@ -348,9 +268,24 @@ class Sources:
     def identity(self) -> list[dict]:
         return [i.to_json() for i in self.checkpoint.identity(self.files())]
 
+    @property
+    def index_sha256(self) -> str:
+        return hashlib.sha256(self.index).hexdigest()
+
 
 def _same_dtype(a: str, b: str) -> bool:
     return a == b or any(a in s and b in s for s in SCALE_ALIASES)
+
+
+def index_bytes(ckpt: Checkpoint) -> bytes:
+    """The checkpoint's index as it is on disk; for a checkpoint without one (a single file), an index
+    with the weight map its headers give (the engine opens DIR/model.safetensors.index.json either way)."""
+    p = ckpt.index_path
+    if p is not None:
+        return p.read_bytes()
+    doc = {"metadata": {"deployctl": "written by engram-stage: the checkpoint has no index"},
+           "weight_map": dict(sorted(ckpt.weight_map.items()))}
+    return (json.dumps(doc, indent=2) + "\n").encode()
 
 
 def resolve_sources(spec: Spec, checkpoint: str | Path) -> Sources:
@@ -372,7 +307,123 @@ def resolve_sources(spec: Spec, checkpoint: str | Path) -> Sources:
                     "engram.geometry (vocab_per_order, heads_per_order, row_values) and "
                     "scale_values_per_row against this checkpoint", file=where)
             tensors[(layer, fname)] = t
-    return Sources(ckpt, tensors)
+    names = sorted({t.file.name for t in tensors.values()})
+    sizes = {n: (ckpt.folder / n).stat().st_size for n in names}
+    starts = {n: ckpt.data_start(n) for n in names}
+    return Sources(ckpt, tensors, index_bytes(ckpt), sizes, starts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What is written: one OutFile per shard holding Engram tensors (from the spec and the checkpoint's headers)
+
+@dataclass(frozen=True)
+class Piece:
+    """The rank's rows of one Engram tensor inside a shard copy (offsets are the shard's own)."""
+    layer: int
+    field: str           # weight | scale
+    tensor: str
+    row_start: int       # global rows [row_start, row_end)
+    row_end: int
+    row_bytes: int
+    offset: int          # absolute byte offset of row row_start: 8 + header + data_offsets[0] + row_start x row_bytes
+
+    @property
+    def length(self) -> int:
+        return (self.row_end - self.row_start) * self.row_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layer": self.layer, "field": self.field, "tensor": self.tensor, "row_start": self.row_start,
+                "row_end": self.row_end, "row_bytes": self.row_bytes, "offset": self.offset,
+                "length": self.length}
+
+
+@dataclass(frozen=True)
+class OutFile:
+    name: str                   # the shard's own file name
+    size: int                   # apparent size: the shard's size
+    header_bytes: int           # bytes [0, header_bytes) copied verbatim: 8 + header length
+    pieces: tuple[Piece, ...]   # in file order
+    mode: str = "copy"          # copy: the sparse copy; link: a hard link to the shard (every row, no bytes)
+
+    @property
+    def length(self) -> int:
+        return sum(p.length for p in self.pieces)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The staged byte ranges (offset, length), in file order: what the per-chunk sha256 covers."""
+        return [(p.offset, p.length) for p in self.pieces if p.length]
+
+    def chunk_count(self, chunk_bytes: int) -> int:
+        return -(-self.length // chunk_bytes)
+
+    def allocated_bytes(self) -> int:
+        """Disk space the copy takes: the header and the staged ranges, rounded out to 4 KiB pages
+        (the union: two ranges sharing a page count it once). The holes take nothing; a link nothing."""
+        if self.mode == "link":
+            return 0
+        iv = sorted([(0, self.header_bytes)] + [(o, o + n) for o, n in self.spans()])
+        total, cur_lo, cur_hi = 0, -1, -1
+        for lo, hi in iv:
+            lo, hi = lo // PAGE * PAGE, -(-hi // PAGE) * PAGE
+            if lo > cur_hi:
+                total += cur_hi - cur_lo if cur_hi > cur_lo else 0
+                cur_lo, cur_hi = lo, hi
+            else:
+                cur_hi = max(cur_hi, hi)
+        return total + (cur_hi - cur_lo if cur_hi > cur_lo else 0)
+
+
+def out_files(spec: Spec, sources: Sources, mode: str = "copy") -> list[OutFile]:
+    by_file: dict[str, list[Piece]] = {}
+    for rr in spec.ranges():
+        for fname, tname, _, rb in spec.fields(rr.layer):
+            t = sources.tensors[(rr.layer, fname)]
+            by_file.setdefault(t.file.name, []).append(
+                Piece(rr.layer, fname, tname, rr.row_start, rr.row_end, rb, t.offset + rr.row_start * rb))
+    return [OutFile(name, sources.sizes[name], sources.data_starts[name],
+                    tuple(sorted(pieces, key=lambda p: p.offset)), mode)
+            for name, pieces in sorted(by_file.items())]
+
+
+def staging_mode(spec: Spec, sources: Sources, dest: Path) -> tuple[str, str]:
+    """("link" | "copy", why). Link (spec.link: the recipe's engram.staging auto and a checkpoint of the
+    node's own, not a shared mount) when DEST is on the filesystem of every Engram shard: the engine
+    then reads the checkpoint's own bytes through DEST at no cost in bytes or time."""
+    if not spec.link:
+        return "copy", "copy: engram.staging is copy or the checkpoint is on a shared mount"
+    p = dest
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    dev = os.stat(p).st_dev
+    other = [n for n in sources.files() if os.stat(sources.checkpoint.folder / n).st_dev != dev]
+    if other:
+        return "copy", f"copy: {other[0]} is on another filesystem than {dest}"
+    return "link", f"link: the checkpoint's shards and {dest} share a filesystem"
+
+
+def _same_inode(a: Path, b: Path) -> bool:
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except FileNotFoundError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def index_allocated(sources: Sources) -> int:
+    return -(-len(sources.index) // PAGE) * PAGE
+
+
+def is_our_file(name: str) -> bool:
+    """Files this op writes (and may delete) in DEST, besides the manifest, engram-local.json and the lock:
+    the index, the shard copies, temporary files, and the files of manifest version 1 (engram-L*.bin)."""
+    if name.startswith(".") and name.endswith(".tmp"):
+        return True
+    return (name == INDEX_NAME or name.endswith(".safetensors")
+            or (name.startswith("engram-L") and name.endswith(".bin")))
+
+
+def tmp_name(name: str) -> str:
+    return f".{name}.tmp"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -387,6 +438,13 @@ def read_json(path: Path) -> Any:
         return {"__corrupt__": True}
 
 
+def _file_sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
 def up_to_date(spec: Spec, sources: Sources, dest: Path, files: list[OutFile]) -> tuple[bool, str]:
     """(True, why it is current) or (False, why it must be staged)."""
     m = read_json(dest / MANIFEST_NAME)
@@ -398,28 +456,40 @@ def up_to_date(spec: Spec, sources: Sources, dest: Path, files: list[OutFile]) -
     if old != spec.key():
         diff = sorted(k for k in set(old) | set(spec.key()) if old.get(k) != spec.key().get(k))
         what = ", ".join(f"{k} {old.get(k)!r} -> {spec.key().get(k)!r}" for k in diff
-                         if k in ("tp", "rank", "layout")) or f"{', '.join(diff)} changed"
+                         if k in ("tp", "rank", "layout", "link")) or f"{', '.join(diff)} changed"
         return False, f"staged for something else: {what}"
     ident = sources.identity()
-    if m.get("source", {}).get("files") != ident:
-        old_files = {f["name"]: f for f in m.get("source", {}).get("files", [])}
+    src = m.get("source", {})
+    if src.get("files") != ident:
+        old_files = {f["name"]: f for f in src.get("files", [])}
         changed = [i["name"] for i in ident if old_files.get(i["name"]) != i] or ["(file set)"]
         return False, f"checkpoint changed: {', '.join(changed)} (name, size, mtime or header differ)"
+    if src.get("index_sha256") != sources.index_sha256:
+        return False, f"checkpoint changed: {INDEX_NAME}"
+    if sorted(fe.get("name") for fe in m.get("files", [])) != sorted(f.name for f in files):
+        return False, "the staged file set differs from the shards holding this rank's rows"
+    modes = {fe.get("name"): fe.get("mode", "copy") for fe in m.get("files", [])}
     for f in files:
-        p = dest / f.name
         try:
-            size = p.stat().st_size
+            size = (dest / f.name).stat().st_size
         except FileNotFoundError:
             return False, f"{f.name} is missing"
         if size != f.size:
             return False, f"{f.name} is {size} bytes, expected {f.size}"
+        if modes.get(f.name) != f.mode:
+            return False, f"{f.name} was staged by {modes.get(f.name)}, now by {f.mode}"
+        if f.mode == "link" and not _same_inode(dest / f.name, sources.checkpoint.folder / f.name):
+            return False, f"{f.name} is no longer a link to the checkpoint's shard"
+    if _file_sha256(dest / INDEX_NAME) != sources.index_sha256:
+        return False, f"{INDEX_NAME} in {dest} is missing or differs from the checkpoint's"
     local = read_json(dest / LOCAL_NAME)
     if not isinstance(local, dict) or local.get("layers") != local_ranges(spec):
         return False, f"{LOCAL_NAME} is missing or does not match rank {spec.rank}"
     n = sum(f.length for f in files)
+    what = "shard links" if files and files[0].mode == "link" else "shard copies"
     return True, (f"already staged: rank {spec.rank} of {spec.tp}, layout {spec.layout}, "
-                  f"{len(files)} files ({n} bytes) from the same checkpoint "
-                  f"({len(ident)} source files: same sizes, mtimes and header digests)")
+                  f"{len(files)} {what} ({n} bytes of rows) from the same checkpoint "
+                  f"({len(ident)} source files: same sizes, mtimes and header digests; same index)")
 
 
 def free_bytes(path: Path) -> int:
@@ -432,21 +502,25 @@ def free_bytes(path: Path) -> int:
 
 
 def reclaimable_bytes(dest: Path) -> int:
-    """Space freed by removing what a restage replaces (our data and temporary files)."""
+    """Space freed by removing what a restage replaces (our data and temporary files): their allocated
+    blocks, not their apparent sizes (a sparse copy of a 100 GB shard may hold 25 GB)."""
     total = 0
     if dest.is_dir():
         for e in os.scandir(dest):
             if is_our_file(e.name) and e.is_file(follow_symlinks=False):
-                total += e.stat(follow_symlinks=False).st_blocks * 512
+                st = e.stat(follow_symlinks=False)
+                if st.st_nlink == 1:             # a file linked elsewhere too frees nothing
+                    total += st.st_blocks * 512
     return total
 
 
-def space_report(spec: Spec, dest: Path, files: list[OutFile], current: bool) -> dict[str, Any]:
-    need = 0 if current else sum(f.allocated_bytes() for f in files)
+def space_report(spec: Spec, sources: Sources, dest: Path, files: list[OutFile], current: bool) -> dict[str, Any]:
+    need = 0 if current else sum(f.allocated_bytes() for f in files) + index_allocated(sources)
     margin = int(spec.free_margin_gb * 1e9)
     free, recl = free_bytes(dest), (0 if current else reclaimable_bytes(dest))
     return {"path": str(dest), "need_bytes": need, "margin_bytes": margin, "free_bytes": free,
             "reclaimable_bytes": recl, "ok": current or need + margin <= free + recl,
+            "apparent_bytes": sum(f.size for f in files),
             "need_gb": gb(need), "free_gb": gb(free + recl), "margin_gb": spec.free_margin_gb}
 
 
@@ -457,7 +531,8 @@ def gb(n: int) -> float:
 
 def invalidate_manifest(dest: Path) -> None:
     """Remove the manifest (then engram-local.json), durably: from here on nothing claims the folder
-    holds complete data, so an interrupted run or a failed verify leads to a restage."""
+    holds complete data (an interrupted run or a failed verify leads to a restage), and the engine reads
+    the model folder instead of this one (without engram-local.json it falls back)."""
     for name in (MANIFEST_NAME, LOCAL_NAME):
         try:
             os.unlink(dest / name)
@@ -476,161 +551,44 @@ def invalidate(dest: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Interleaving (packed layout); contiguous copies go through bulkcopy
-
-_WORD = {8: "Q", 4: "I", 2: "H", 1: "B"}
-
-
-INTERLEAVE_BLOCK = 1 << 20         # output bytes interleaved at a time: the strided passes stay in cache
-
-
-def interleave(out: memoryview, parts: list[tuple[memoryview, int]], rows: int) -> None:
-    """Write `rows` records into `out`: each record = the next row of every part, in order.
-    Strided copies with the widest word that divides every row size (8 B for 256 + 8), one
-    cache-sized block of rows at a time (1.6x faster than whole pieces)."""
-    sizes = [rb for _, rb in parts]
-    ws = next(w for w in (8, 4, 2, 1) if all(s % w == 0 for s in sizes))
-    rec = sum(sizes) // ws
-    o = out[:rows * rec * ws].cast(_WORD[ws])
-    srcs = [(mv[:rows * rb].cast(_WORD[ws]), rb // ws) for mv, rb in parts]
-    block = max(1, INTERLEAVE_BLOCK // (rec * ws))
-    for b0 in range(0, rows, block):
-        b1 = min(rows, b0 + block)
-        ob, col = o[b0 * rec:b1 * rec], 0
-        for src, n in srcs:
-            sb = src[b0 * n:b1 * n]
-            for j in range(n):
-                ob[col + j::rec] = sb[j::n]
-            col += n
-
-
-class Copier:
-    """Write packed OutFiles (records of weight row + scale row, interleaved in user space) from Sources
-    into open temporary files: chunks in parallel threads, each read/interleaved/hashed/written in
-    pieces of <= IO_BYTES, sha256 per chunk, source and written pages dropped behind."""
-
-    def __init__(self, spec: Spec, sources: Sources, threads: int,
-                 progress: Callable[[int], None] | None = None):
-        self.spec, self.sources, self.threads = spec, sources, threads
-        self.progress = progress
-        self._local = threading.local()
-        self._stop = threading.Event()
-        self._src_fds: dict[Path, int] = {}
-
-    def _buf(self, name: str, size: int) -> memoryview:
-        bufs = self._local.__dict__.setdefault("bufs", {})
-        b = bufs.get(name)
-        if b is None or len(b) < size:
-            b = bufs[name] = bytearray(size)
-        return memoryview(b)[:size]
-
-    def _src_fd(self, t: TensorInfo) -> int:
-        return self._src_fds[t.file]
-
-    def _read(self, t: TensorInfo, row_bytes: int, row: int, rows: int, into: memoryview) -> None:
-        want, pos = rows * row_bytes, t.offset + row * row_bytes
-        got = 0
-        while got < want:
-            n = os.preadv(self._src_fd(t), [into[got:want]], pos + got)
-            if n == 0:
-                raise InputError(f"truncated: {t.name!r} ends early (read {pos + got} of "
-                                 f"{t.offset + t.nbytes} bytes)", file=str(t.file))
-            got += n
-
-    def fill(self, f: OutFile, row: int, rows: int) -> memoryview:
-        """The output bytes of rows [row, row+rows) of `f` (one piece, a thread-local buffer)."""
-        parts = []
-        for fld in f.fields:
-            mv = self._buf(fld.name, rows * fld.row_bytes)
-            self._read(self.sources.tensors[(f.layer, fld.name)], fld.row_bytes, row, rows, mv)
-            parts.append((mv, fld.row_bytes))
-        out = self._buf("out", rows * f.record_bytes)
-        interleave(out, parts, rows)
-        return out
-
-    def _chunk(self, f: OutFile, fd: int, r0: int, r1: int) -> str:
-        h = hashlib.sha256()
-        step, row = f.rows_per_piece(), r0
-        while row < r1:
-            if self._stop.is_set():
-                raise _Stopped()
-            n = min(step, r1 - row)
-            mv = self.fill(f, row, n)
-            h.update(mv)
-            off, done = f.row_offset(row), 0
-            while done < len(mv):
-                done += os.pwrite(fd, mv[done:], off + done)
-            if self.progress:
-                self.progress(len(mv))
-            row += n
-        # drop behind: the source pages are not needed again; start writeback of what we wrote
-        # (on a Spark the page cache shares the 128 GB with the GPU)
-        for fld in f.fields:
-            t = self.sources.tensors[(f.layer, fld.name)]
-            os.posix_fadvise(self._src_fd(t), t.offset + r0 * fld.row_bytes, (r1 - r0) * fld.row_bytes,
-                             os.POSIX_FADV_DONTNEED)
-        os.posix_fadvise(fd, f.row_offset(r0), (r1 - r0) * f.record_bytes, os.POSIX_FADV_DONTNEED)
-        return h.hexdigest()
-
-    def run(self, jobs: list[tuple[OutFile, int]]) -> dict[str, tuple[list[str], int]]:
-        """jobs: (file, open fd). Returns {file name: ([sha256 per chunk], chunk bytes)}."""
-        for f, _ in jobs:
-            for fld in f.fields:
-                t = self.sources.tensors[(f.layer, fld.name)]
-                if t.file not in self._src_fds:
-                    self._src_fds[t.file] = os.open(t.file, os.O_RDONLY)
-        try:
-            work = [(f, fd, i, r0, r1) for f, fd in jobs
-                    for i, (r0, r1) in enumerate(f.chunks(self.spec.chunk_bytes))]
-            sums: dict[str, list[str]] = {f.name: [""] * len(f.chunks(self.spec.chunk_bytes)) for f, _ in jobs}
-            with ThreadPoolExecutor(max_workers=self.threads) as pool:
-                futs = {pool.submit(self._chunk, f, fd, r0, r1): (f.name, i) for f, fd, i, r0, r1 in work}
-                done, _ = wait(futs, return_when=FIRST_EXCEPTION)
-                if any(fu.exception() for fu in done):
-                    self._stop.set()
-                    wait(futs)
-                    errs = [fu.exception() for fu in futs if fu.exception()]
-                    raise next((e for e in errs if not isinstance(e, _Stopped)), errs[0])
-                for fu, (name, i) in futs.items():
-                    sums[name][i] = fu.result()
-            return {f.name: (sums[f.name], f.rows_per_chunk(self.spec.chunk_bytes) * f.record_bytes)
-                    for f, _ in jobs}
-        finally:
-            for fd in self._src_fds.values():
-                os.close(fd)
-            self._src_fds.clear()
-
-
-class _Stopped(Exception):
-    pass
-
-
-# ---------------------------------------------------------------------------------------------------
 # Reading back: the engine's view, and the checkpoint's
 
-def read_staged_row(dest: str | Path, layout: str, entry: Mapping[str, Any], row: int) -> dict[str, bytes]:
-    """One global row of a layer as the engine reads it, {field: bytes}.
+class EngineView:
+    """Rows of a folder read the way the patched engram.py's DiskEngramTable reads them
+    (docs/engram-contract.md): DIR/model.safetensors.index.json -> weight_map[tensor] -> DIR/<file>;
+    its header (u64 LE length n, n bytes of JSON) -> data_offsets[0]; row r at 8 + n + data_offsets[0]
+    + r x row_bytes. Nothing is taken from the manifest: a copy without its header, or with rows at
+    other offsets, reads wrong here exactly as it would in the engine."""
 
-    `entry` is the layer's file entries from the manifest ({"files": [...]}) or the equivalent.
-    sparse: byte row x row_bytes of engram-L{L}.{field}.bin (the global row offset, not the local one);
-    packed: byte data_offset + (row - row_start) x record_bytes of engram-L{L}.packed.bin.
-    """
-    out = {}
-    for fe in entry["files"]:
-        path = Path(dest) / fe["name"]
-        fields = fe["fields"]
-        rec = sum(x["bytes"] for x in fields)
-        if layout == "sparse":
-            off = row * rec
-        else:
-            off = fe["data_offset"] + (row - fe["row_start"]) * rec
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self._map: dict[str, str] | None = None
+        self._headers: dict[str, tuple[int, dict]] = {}
+
+    def locate(self, tensor: str) -> tuple[Path, int, tuple[int, ...]]:
+        """(file, absolute offset of row 0, shape) of a tensor. Raises VerifyFailed saying what is wrong."""
+        try:
+            if self._map is None:
+                self._map = json.loads((self.folder / INDEX_NAME).read_text())["weight_map"]
+            fname = self._map[tensor]
+            path = self.folder / fname
+            if fname not in self._headers:
+                with open(path, "rb") as f:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    if n > MAX_HEADER:
+                        raise ValueError(f"header length {n} (no safetensors header at byte 0)")
+                    self._headers[fname] = (n, json.loads(f.read(n)))
+            n, header = self._headers[fname]
+            meta = header[tensor]
+            return path, 8 + n + int(meta["data_offsets"][0]), tuple(meta["shape"])
+        except (OSError, KeyError, ValueError, TypeError, struct.error) as e:
+            raise VerifyFailed(f"the engine's reader cannot find {tensor!r} in {self.folder}: "
+                               f"{type(e).__name__}: {e}") from None
+
+    def row(self, tensor: str, row: int, row_bytes: int) -> bytes:
+        path, off, _ = self.locate(tensor)
         with open(path, "rb") as fh:
-            data = os.pread(fh.fileno(), rec, off)
-        pos = 0
-        for x in fields:
-            out[x["name"]] = data[pos:pos + x["bytes"]]
-            pos += x["bytes"]
-    return out
+            return os.pread(fh.fileno(), row_bytes, off + row * row_bytes)
 
 
 def read_checkpoint_row(sources: Sources, layer: int, field: str, row: int) -> bytes:
@@ -639,23 +597,29 @@ def read_checkpoint_row(sources: Sources, layer: int, field: str, row: int) -> b
         return os.pread(fh.fileno(), t.row_bytes, t.offset + row * t.row_bytes)
 
 
-def fidelity_check(spec: Spec, sources: Sources, dest: Path, manifest_files: list[dict],
-                   rng: random.Random | None = None) -> int:
-    """Compare rows at each layer's range start, end-1 and random points, read the engine's way,
-    with the checkpoint's bytes at the same global row. Returns the number of rows checked."""
+def fidelity_check(spec: Spec, sources: Sources, dest: Path, rng: random.Random | None = None) -> int:
+    """Read rows at each layer's range start, end-1 and random points from DEST the engine's way (index,
+    then header, then offsets) and compare them with the checkpoint's bytes of the same global rows.
+    Returns the number of rows checked (per layer and row; every field compared)."""
     rng = rng or random.Random()
+    view = EngineView(dest)
     checked = 0
     for rr in spec.ranges():
+        for fname, tname, _, rb in spec.fields(rr.layer):
+            _, off, shape = view.locate(tname)
+            t = sources.tensors[(rr.layer, fname)]
+            if (off, shape) != (t.offset, t.shape):
+                raise VerifyFailed(
+                    f"fidelity: {tname!r} in {dest} is at byte {off} with shape {list(shape)} by its header, "
+                    f"the checkpoint's at byte {t.offset} with shape {list(t.shape)}: the engine would read "
+                    "other bytes than the checkpoint's")
         if rr.rows == 0:
             continue
-        entry = {"files": [fe for fe in manifest_files if fe["layer"] == rr.layer]}
         rows = {rr.row_start, rr.row_end - 1} | {rng.randrange(rr.row_start, rr.row_end)
                                                   for _ in range(FIDELITY_SAMPLES)}
         for row in sorted(rows):
-            staged = read_staged_row(dest, spec.layout, entry, row)
-            for fname, *_ in spec.fields(rr.layer):
-                want = read_checkpoint_row(sources, rr.layer, fname, row)
-                if staged.get(fname) != want:
+            for fname, tname, _, rb in spec.fields(rr.layer):
+                if view.row(tname, row, rb) != read_checkpoint_row(sources, rr.layer, fname, row):
                     raise VerifyFailed(
                         f"fidelity: layer {rr.layer} row {row} ({fname}) read from {dest} the engine's way "
                         f"differs from the checkpoint ({sources.tensors[(rr.layer, fname)].file.name}); "
@@ -665,9 +629,13 @@ def fidelity_check(spec: Spec, sources: Sources, dest: Path, manifest_files: lis
 
 
 def verify_files(dest: Path, manifest: Mapping[str, Any], threads: int) -> int:
-    """Re-hash every staged chunk (from the disk: cached pages are dropped first) against the manifest.
-    Returns the bytes hashed; raises VerifyFailed naming the file, the chunk and its byte range."""
+    """Re-hash every staged chunk (from the disk: cached pages are dropped first) and every header
+    against the manifest, and the index. Returns the bytes hashed; raises VerifyFailed naming the file,
+    the chunk and its byte range."""
     total, bad = 0, []
+    idx = manifest.get("index", {})
+    if _file_sha256(dest / INDEX_NAME) != idx.get("sha256"):
+        bad.append(f"{dest / INDEX_NAME} (missing or changed)")
     for fe in manifest["files"]:
         path = dest / fe["name"]
         try:
@@ -676,25 +644,42 @@ def verify_files(dest: Path, manifest: Mapping[str, Any], threads: int) -> int:
             raise VerifyFailed(f"{path}: missing (listed in {MANIFEST_NAME})") from None
         if size != fe["size"]:
             raise VerifyFailed(f"{path}: {size} bytes, the manifest says {fe['size']}")
-        cb, start, length = fe["chunk_bytes"], fe["offset"], fe["length"]
+        cb = fe["chunk_bytes"]
+        spans = [(p["offset"], p["length"]) for p in fe["pieces"] if p["length"]]
+        link = fe.get("mode") == "link"
+        if link:
+            src = Path(manifest.get("source", {}).get("checkpoint", "")) / fe["name"]
+            if not _same_inode(path, src):
+                bad.append(f"{path} (no longer a hard link to {src})")
+            spans = []     # a link's rows are the checkpoint's own bytes (sync-model checks those)
         with open(path, "rb") as fh:
             fd = fh.fileno()
-            if fe.get("header_sha256"):
-                head = os.pread(fd, fe["data_offset"], 0)
-                if hashlib.sha256(head).hexdigest() != fe["header_sha256"]:
-                    bad.append(f"{path} header (bytes 0..{fe['data_offset']})")
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            got = dict(bulkcopy.hash_chunks(fd, [(start, length)] if length else [], cb, workers=threads))
+            head = os.pread(fd, fe["header_bytes"], 0)
+            if hashlib.sha256(head).hexdigest() != fe["header_sha256"]:
+                bad.append(f"{path} header (bytes 0..{fe['header_bytes']})")
+            if not link:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            got = dict(bulkcopy.hash_chunks(fd, spans, cb, workers=threads)) if spans else {}
         for i, want in enumerate(fe["sha256"]):
             if got.get(i) != want:
-                lo = start + i * cb
-                bad.append(f"{path} chunk {i} (bytes {lo}..{min(lo + cb, start + length)})")
-        total += length
+                bad.append(f"{path} chunk {i} ({_chunk_where(spans, i, cb)})")
+        total += sum(n for _, n in spans)
     if bad:
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         raise VerifyFailed(f"corrupt staged data: {'; '.join(bad[:5])}{more}: sha256 differs from "
                            f"{MANIFEST_NAME}; the manifest is removed, run the stage again to restage")
     return total
+
+
+def _chunk_where(spans: list[tuple[int, int]], i: int, cb: int) -> str:
+    """Byte ranges of the file that chunk i of the span stream covers ("bytes a..b[, c..d]")."""
+    lo, hi, pos, parts = i * cb, (i + 1) * cb, 0, []
+    for off, n in spans:
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            parts.append(f"{off + a - pos}..{off + b - pos}")
+        pos += n
+    return "bytes " + ", ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -791,9 +776,10 @@ def stage(spec: Spec, checkpoint: str | Path, dest: str | Path, *, verify: bool 
     dest = Path(dest).absolute()
     threads = threads or default_threads()
     sources = resolve_sources(spec, checkpoint)       # bad input fails before DEST is touched
-    files = out_files(spec)
+    mode, mode_why = staging_mode(spec, sources, dest)
+    files = out_files(spec, sources, mode)
     base = {"op": "engram-stage", "dest": str(dest), "rank": spec.rank, "tp": spec.tp, "layout": spec.layout,
-            "ranges": local_ranges(spec), "bytes": sum(f.length for f in files)}
+            "ranges": local_ranges(spec), "bytes": sum(f.length for f in files), "mode": mode}
     dest.mkdir(parents=True, exist_ok=True)
     with _Lock(dest):
         current, why = up_to_date(spec, sources, dest, files)
@@ -803,21 +789,40 @@ def stage(spec: Spec, checkpoint: str | Path, dest: str | Path, *, verify: bool 
             manifest = read_json(dest / MANIFEST_NAME)
             try:
                 n = verify_files(dest, manifest, threads)
-                rows = fidelity_check(spec, sources, dest, manifest["files"])
+                rows = fidelity_check(spec, sources, dest)
             except VerifyFailed:
                 invalidate_manifest(dest)
                 raise
+            what = ("every link is still the checkpoint's shard, headers match" if mode == "link"
+                    else "every chunk's sha256 matches")
             return {**base, "status": "skipped", "verified": True, "verified_bytes": n, "fidelity_rows": rows,
-                    "reason": f"{why}; verified: every chunk's sha256 matches and {rows} rows match the "
-                              "checkpoint", "seconds": round(time.monotonic() - t0, 3)}
-        _say(log, f"staging rank {spec.rank} of {spec.tp} ({spec.layout}) into {dest}: {why}")
-        space = space_report(spec, dest, files, False)
+                    "reason": f"{why}; verified: {what} and {rows} rows match the checkpoint",
+                    "seconds": round(time.monotonic() - t0, 3)}
+        _say(log, f"staging rank {spec.rank} of {spec.tp} ({spec.layout}, {mode_why}) into {dest}: {why}")
+        space = space_report(spec, sources, dest, files, False)
         if not space["ok"]:
             raise StageFailed(_space_message(space))
         invalidate(dest)
-        written = _write_files(spec, sources, dest, files, threads, log)
+        written = None
+        if mode == "link":
+            try:
+                written = _link_files(spec, sources, dest, files)
+            except OSError as e:
+                _say(log, f"hard links refused ({e}); copying the rank's rows instead")
+                mode, files = "copy", out_files(spec, sources, "copy")
+                base = {**base, "mode": mode}
+                space = space_report(spec, sources, dest, files, False)
+                if not space["ok"]:
+                    raise StageFailed(_space_message(space)) from None
+        if written is None:
+            written = _write_files(spec, sources, dest, files, threads, log)
+        atomic_write_bytes(dest / INDEX_NAME, sources.index)
+        try:
+            rows = fidelity_check(spec, sources, dest)
+        except VerifyFailed:
+            invalidate(dest)
+            raise
         mfiles = [_manifest_file(f, *written[f.name]) for f in files]
-        rows = fidelity_check(spec, sources, dest, mfiles)
         manifest = _manifest(spec, sources, files, mfiles, time.monotonic() - t0)
         verified = None
         if verify:
@@ -827,7 +832,8 @@ def stage(spec: Spec, checkpoint: str | Path, dest: str | Path, *, verify: bool 
         secs = time.monotonic() - t0
         out = {**base, "status": "ok", "reason": why, "seconds": round(secs, 3),
                "mb_per_s": round(base["bytes"] / max(secs, 1e-9) / 1e6, 1), "fidelity_rows": rows,
-               "files": [f.name for f in files]}
+               "allocated_bytes": manifest["allocated_bytes"], "files": [f.name for f in files],
+               "bytes_written": 0 if mode == "link" else base["bytes"]}
         if verified is not None:
             out["verified"], out["verified_bytes"] = True, verified
         return out
@@ -839,32 +845,35 @@ def _space_message(space: Mapping[str, Any]) -> str:
 
 
 def _write_files(spec: Spec, sources: Sources, dest: Path, files: list[OutFile], threads: int,
-                 log: Callable[[str], None] | None) -> dict[str, tuple[list[str], int]]:
-    """Write every file under its temporary name, fsync, rename. {name: (chunk sha256s, chunk bytes)}.
+                 log: Callable[[str], None] | None) -> dict[str, tuple[list[str], int, str, list[int] | None]]:
+    """Write every shard copy under its temporary name, fsync, rename.
+    Returns {name: (chunk sha256s, chunk bytes, header sha256, None)}.
 
-    A file of one field (sparse layout) is one contiguous byte range of one tensor: bulkcopy copies it
-    kernel-side (copy_file_range) with preallocation and drop-behind. A packed file interleaves the
-    weight and scale rows, which only user space can do: the Copier below."""
+    A copy is created at the shard's size (all holes), gets the shard's header bytes at 0, then the
+    rank's row ranges through bulkcopy (copy_file_range, preallocation of just those ranges, per-chunk
+    sha256 of the stream of ranges, drop-behind of source and written pages)."""
     fds: list[tuple[OutFile, int]] = []
     progress = _Progress(sum(f.length for f in files), log)
-    sums: dict[str, tuple[list[str], int]] = {}
+    out: dict[str, tuple[list[str], int, str, list[int] | None]] = {}
     try:
         for f in files:
             fd = os.open(dest / tmp_name(f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             fds.append((f, fd))
-            os.ftruncate(fd, f.size)                      # holes: a sparse file costs no space
-            if f.header:
-                os.pwrite(fd, f.header, 0)
+            os.ftruncate(fd, f.size)                      # holes: the rest of the copy costs no space
         for f, fd in fds:
-            if len(f.fields) == 1:
-                t = sources.tensors[(f.layer, f.fields[0].name)]
-                seg = bulkcopy.Segment(str(t.file), t.offset + f.row_start * f.record_bytes, f.offset, f.length)
-                r = bulkcopy.copy_segments(fd, [seg], chunk_bytes=spec.chunk_bytes, workers=threads,
-                                           progress=progress.per_file())
-                sums[f.name] = (r.chunks, r.chunk_bytes)
-        packed = [(f, fd) for f, fd in fds if len(f.fields) > 1]
-        if packed:
-            sums.update(Copier(spec, sources, threads, progress).run(packed))
+            src = str(sources.checkpoint.folder / f.name)
+            with open(src, "rb") as fh:
+                head = os.pread(fh.fileno(), f.header_bytes, 0)
+            if len(head) != f.header_bytes:
+                raise InputError(f"truncated: header ends early (read {len(head)} of {f.header_bytes} bytes)",
+                                 file=src)
+            done = 0
+            while done < len(head):
+                done += os.pwrite(fd, head[done:], done)
+            segs = [bulkcopy.Segment(src, off, off, n) for off, n in f.spans()]
+            r = bulkcopy.copy_segments(fd, segs, chunk_bytes=spec.chunk_bytes, workers=threads,
+                                       progress=progress.per_file())
+            out[f.name] = (r.chunks, r.chunk_bytes, hashlib.sha256(head).hexdigest(), None)
         for f, fd in fds:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -884,7 +893,37 @@ def _write_files(spec: Spec, sources: Sources, dest: Path, files: list[OutFile],
     for f in files:
         os.replace(dest / tmp_name(f.name), dest / f.name)
     fsync_dir(dest)
-    return sums
+    return out
+
+
+def _link_files(spec: Spec, sources: Sources, dest: Path,
+                files: list[OutFile]) -> dict[str, tuple[list[str], int, str, list[int] | None]]:
+    """Hard-link every Engram shard of the checkpoint into DEST (temporary name, then rename): the
+    engine reads the checkpoint's own bytes, every row present; nothing is copied. Raises OSError
+    (EXDEV, EPERM, ...) with nothing left behind when the filesystem refuses."""
+    out: dict[str, tuple[list[str], int, str, list[int] | None]] = {}
+    made: list[Path] = []
+    try:
+        for f in files:
+            src, tmp = sources.checkpoint.folder / f.name, dest / tmp_name(f.name)
+            os.link(os.path.realpath(src), tmp)     # a symlinked shard (HF cache): link its blob (link(2)
+                                                    # would link the symlink itself, dangling in DEST)
+            made.append(tmp)
+            with open(tmp, "rb") as fh:
+                head = os.pread(fh.fileno(), f.header_bytes, 0)
+            st = os.stat(tmp)
+            out[f.name] = ([], spec.chunk_bytes, hashlib.sha256(head).hexdigest(), [st.st_dev, st.st_ino])
+    except BaseException:
+        for t in made:
+            try:
+                os.unlink(t)
+            except FileNotFoundError:
+                pass
+        raise
+    for f in files:
+        os.replace(dest / tmp_name(f.name), dest / f.name)
+    fsync_dir(dest)
+    return out
 
 
 def _discard(dest: Path, fds: list[tuple[OutFile, int]]) -> None:
@@ -899,50 +938,51 @@ def _discard(dest: Path, fds: list[tuple[OutFile, int]]) -> None:
             pass
 
 
-def _manifest_file(f: OutFile, sums: list[str], chunk_bytes: int) -> dict[str, Any]:
-    d = {"name": f.name, "layer": f.layer, "kind": f.kind, "size": f.size,
-         "row_start": f.row_start, "row_end": f.row_end, "total_rows": f.total_rows,
-         "offset": f.offset, "length": f.length, "data_offset": f.offset if f.header else 0,
-         "fields": [{"name": x.name, "tensor": x.tensor, "dtype": x.dtype, "bytes": x.row_bytes}
-                    for x in f.fields],
-         "chunk_bytes": chunk_bytes, "sha256": sums}
-    if f.header:
-        d["header_sha256"] = hashlib.sha256(f.header).hexdigest()
+def _manifest_file(f: OutFile, sums: list[str], chunk_bytes: int, header_sha256: str,
+                   inode: list[int] | None = None) -> dict[str, Any]:
+    d = {"name": f.name, "mode": f.mode, "size": f.size, "header_bytes": f.header_bytes,
+         "header_sha256": header_sha256, "pieces": [p.to_json() for p in f.pieces], "length": f.length,
+         "allocated_bytes": f.allocated_bytes(), "chunk_bytes": chunk_bytes, "sha256": sums}
+    if inode is not None:
+        d["inode"] = inode
     return d
 
 
 def _manifest(spec: Spec, sources: Sources, files: list[OutFile], mfiles: list[dict],
               seconds: float) -> dict[str, Any]:
+    from .geometry import layer_tables
+    totals = {t.layer: t.rows for t in layer_tables(spec.geometry)}
     return {
         "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "complete": True,
         "key": spec.key(), "recipe": spec.recipe, "recipe_digest": spec.recipe_digest,
-        "tp": spec.tp, "rank": spec.rank, "layout": spec.layout,
+        "tp": spec.tp, "rank": spec.rank, "layout": spec.layout, "mode": files[0].mode if files else "copy",
         "row_bytes": {"weight": spec.weight_row_bytes, "scale": spec.scale_row_bytes},
         "dtypes": {"weight": spec.geometry.dtype, "scale": spec.scale_dtype if spec.scale_tensor else None},
         "layers": {str(r.layer): {"row_start": r.row_start, "row_end": r.row_end, "head_start": r.head_start,
-                                  "head_end": r.head_end, "total_rows": files_total(files, r.layer)}
+                                  "head_end": r.head_end, "total_rows": totals[r.layer]}
                    for r in spec.ranges()},
         "source": {"checkpoint": str(sources.checkpoint.folder.absolute()), "files": sources.identity(),
+                   "index_sha256": sources.index_sha256,
                    "tensors": {f"{layer}.{fld}": {"name": t.name, "file": t.file.name, "dtype": t.dtype,
                                                   "shape": list(t.shape), "offset": t.offset}
                                for (layer, fld), t in sorted(sources.tensors.items())}},
+        "index": {"name": INDEX_NAME, "sha256": sources.index_sha256, "size": len(sources.index)},
         "files": mfiles, "bytes": sum(f.length for f in files),
+        "allocated_bytes": sum(f.allocated_bytes() for f in files) + index_allocated(sources),
+        "apparent_bytes": sum(f.size for f in files),
         "staged_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(seconds, 3),
     }
-
-
-def files_total(files: list[OutFile], layer: int) -> int:
-    return next(f.total_rows for f in files if f.layer == layer)
 
 
 def check(spec: Spec, checkpoint: str | Path, dest: str | Path) -> dict[str, Any]:
     """What a run would do, without writing: up to date?, space needed and free (for the playbook)."""
     dest = Path(dest).absolute()
     sources = resolve_sources(spec, checkpoint)
-    files = out_files(spec)
+    mode, mode_why = staging_mode(spec, sources, dest)
+    files = out_files(spec, sources, mode)
     current, why = up_to_date(spec, sources, dest, files) if dest.is_dir() else (False, f"{dest} does not exist")
-    return {"op": "engram-stage", "status": "check", "up_to_date": current, "reason": why,
-            "rank": spec.rank, "tp": spec.tp, **space_report(spec, dest, files, current)}
+    return {"op": "engram-stage", "status": "check", "up_to_date": current, "reason": why, "mode": mode,
+            "mode_reason": mode_why, "rank": spec.rank, "tp": spec.tp, **space_report(spec, sources, dest, files, current)}
 
 
 class _Lock:

@@ -116,6 +116,16 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
+    @property
+    def index_path(self) -> Path | None:
+        """The index file, or None for a checkpoint without one (its weight map comes from the headers)."""
+        p = self.folder / INDEX_NAME
+        return p if p.exists() else None
+
+    def data_start(self, file: str) -> int:
+        """Byte offset where a file's tensor data begins: 8 + its header length."""
+        return self._header(file)[1]
+
     def tensor(self, name: str) -> TensorInfo:
         file = self.weight_map.get(name)
         if file is None:
