@@ -94,14 +94,21 @@ def test_sglang_spark_file_backend():
     assert f["speculative-algorithm"] == "NEXTN" and f["speculative-num-steps"] == "3"
     assert f["speculative-eagle-topk"] == "1" and f["speculative-num-draft-tokens"] == "4"
     assert f["max-running-requests"] == "8" and f["mem-fraction-static"] == "0.8"
-    assert ("/mnt/nvme/deployctl/ple", "/ple", "ro") in spec.mounts
+    # released SGLang's contract: the offload asked for, the folder mapped read-write (from_file shared)
+    assert "--ple-offload-embedding" in spec.argv
+    assert ("/mnt/nvme/deployctl/ple", "/ple", "rw") in spec.mounts
+    assert spec.env["SGLANG_QWEN4_PLE_FILE_RSS_BUDGET_GB"] == "8"          # ple.page_cache_budget_gib
+    assert spec.env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "deployctl_sglang_ple"
     assert "NCCL_SOCKET_IFNAME" not in spec.env, "single node: no fabric variables"
 
 
 def test_sglang_rtx_pinned_backend():
     dep = load_deployment(INVENTORIES_DIR / "rtx1.yml")
-    f = flags(container_spec(dep, dep.cluster.hosts[0], None, None).argv)
+    spec = container_spec(dep, dep.cluster.hosts[0], None, None)
+    f = flags(spec.argv)
     assert f["ple-offload-backend"] == "pinned" and "ple-offload-dir" not in f
+    assert "--ple-offload-embedding" in spec.argv
+    assert [m for m in spec.mounts if m[1] == "/ple"] == [] and "SGLANG_EXTERNAL_MODEL_PACKAGE" not in spec.env
     assert f["max-running-requests"] == "16"
 
 
@@ -164,3 +171,111 @@ def test_fabric_override_is_checked():
         choose_fabric("s", FACTS, override_iface="wlP9s9")
     with pytest.raises(InputError, match="not up"):
         choose_fabric("s", FACTS, override_iface="enp1s0f0np0")
+
+
+# -- boot 10's runtime (docs/deepseek-runtime-contract.md) -----------------------------------------
+
+def test_dsv41_tp4_dry_run_carries_boot10_runtime():
+    from orchestrator.plan import build_plan
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
+    fab = {h.name: Fabric("enp1s0f0np0", f"192.168.192.{h.rank + 1}", ("rocep1s0f0", "rocep1s0f1"), "t",
+                          hca="rocep1s0f0", network="192.168.192.0/24") for h in dep.cluster.hosts}
+    for h in dep.cluster.hosts:
+        spec = container_spec(dep, h, fab[h.name], fab["spark1"])
+        env, f = spec.env, flags(spec.argv)
+        # the boot-3 wedge: nothing compiles with many jobs at run time, prebuilt SM 12.1a kernels
+        for k, v in {"MAX_JOBS": "2", "FLASHINFER_NVCC_THREADS": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+                     "TORCH_CUDA_ARCH_LIST": "12.1a", "FLASHINFER_CUDA_ARCH_LIST": "12.1a",
+                     "FLASHINFER_DISABLE_VERSION_CHECK": "1", "VLLM_HAS_FLASHINFER_CUBIN": "1",
+                     "VLLM_USE_BREAKABLE_CUDAGRAPH": "1", "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
+                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": "/cache/huggingface",
+                     "TRITON_CACHE_DIR": "/cache/triton", "TILELANG_CACHE_DIR": "/cache/tilelang",
+                     "VLLM_CACHE_ROOT": "/cache/vllm", "VLLM_USE_RUST_FRONTEND": "0",
+                     # NCCL over RoCE v2: one pinned HCA, the repo's GID index / version / family
+                     "NCCL_NET": "IB", "NCCL_IB_DISABLE": "0", "NCCL_IB_HCA": "rocep1s0f0",
+                     "NCCL_IB_GID_INDEX": "3", "NCCL_IB_ROCE_VERSION_NUM": "2", "NCCL_IB_ADDR_FAMILY": "AF_INET",
+                     "NCCL_IB_ADDR_RANGE": "192.168.192.0/24", "NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0",
+                     "NCCL_CROSS_NIC": "0", "NCCL_IB_MERGE_NICS": "0", "MN_IF_NAME": "enp1s0f0np0",
+                     "DSV41_ENGRAM_DISK": "1"}.items():
+            assert env[k] == v, k
+        assert ("/var/tmp/dsv41-vllm-cache", "/cache", "rw") in spec.mounts
+        # launch/dsv41-tp4.sh's capture sizes: multiples of k and k+1 up to SEQS*(k+1), k=5, SEQS=8
+        k, seqs = 5, 8
+        sizes = sorted(set(range(k, k * seqs + 1, k)) | set(range(k + 1, (k + 1) * seqs + 1, k + 1)))
+        assert json.loads(f["compilation-config"]) == {"cudagraph_mode": "FULL_AND_PIECEWISE",
+                                                       "cudagraph_capture_sizes": sizes}
+        assert sizes == [5, 6, 10, 12, 15, 18, 20, 24, 25, 30, 35, 36, 40, 42, 48]
+        assert json.loads(f["engram-config"]) == {"cpu_offload": False}
+        assert f["mm-processor-cache-gb"] == "1" and f["block-size"] == "128"
+        assert json.loads(f["speculative-config"])["enable_adaptive_verification"] is False
+        run = spec.docker_run_argv()
+        assert run[run.index("--memory") + 1] == "112g" and run[run.index("--memory-swap") + 1] == "112g"
+        assert run[run.index("--shm-size") + 1] == "32g"
+    # the dry run (plan) shows the same command, the memory limits and the start order
+    acts = {a.host: a for a in build_plan(dep, ("launch",)).stage("launch").actions}
+    for a in acts.values():
+        assert "--memory" in a.command and "MAX_JOBS=2" in a.command
+        assert a.details["container"]["options"] == {"memory": "112g", "memory-swap": "112g"}
+    assert {n: a.details["container"]["start"]["step"] for n, a in acts.items()} == \
+        {"spark4": 1, "spark3": 2, "spark2": 3, "spark1": 4}
+    assert acts["spark1"].details["container"]["start"] == {
+        "order": "workers-first", "step": 4, "of": 4, "after": ["spark4", "spark3", "spark2"], "wait_before_s": 5.0}
+
+
+def test_tp8_recipes_share_the_runtime_block():
+    for inv in ("spark8.yml",):
+        for recipe in ("deepseek-v41-flash-tp8-mem", "deepseek-v41-flash-tp8-nvme"):
+            dep = load_deployment(INVENTORIES_DIR / inv, recipe)
+            e = dep.recipe.engine
+            assert e.env["MAX_JOBS"] == "2" and e.env["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"
+            assert e.memory_limit == "112g" and e.min_mem_available_gib == 100 and e.drop_caches
+            assert e.start_order == "workers-first"
+            assert e.args["engram-config"] == {"cpu_offload": False}
+
+
+ROCE4 = {
+    "net": {"enP7s7": {"operstate": "up", "addrs": ["192.168.2.20"], "cidrs": ["192.168.2.20/24"]},
+            "wlP9s9": {"operstate": "up", "wireless": True, "addrs": ["192.168.3.20"]},
+            "enp1s0f0np0": {"operstate": "up", "addrs": ["192.168.192.2"], "cidrs": ["192.168.192.2/24"]},
+            "enp1s0f1np1": {"operstate": "up", "addrs": ["192.168.193.2"], "cidrs": ["192.168.193.2/24"]},
+            "enP2p1s0f0np0": {"operstate": "up", "addrs": []},
+            "enP2p1s0f1np1": {"operstate": "up", "addrs": []}},
+    "rdma": [{"dev": d, "port": "1", "state": "4: ACTIVE", "link_layer": "Ethernet", "netdevs": [n]}
+             for d, n in (("roceP2p1s0f1", "enP2p1s0f1np1"), ("rocep1s0f1", "enp1s0f1np1"),
+                          ("rocep1s0f0", "enp1s0f0np0"), ("roceP2p1s0f0", "enP2p1s0f0np0"))],
+    "route_to_head": "enp1s0f0np0",
+}
+
+
+def test_fabric_pins_one_hca_per_host_deterministically():
+    f = choose_fabric("spark2", ROCE4)
+    assert f.iface == "enp1s0f0np0" and len(f.hcas) == 4
+    assert f.hca == "rocep1s0f0", "the HCA backing the chosen netdev"
+    env = fabric_env(f)
+    assert env["NCCL_IB_HCA"] == "rocep1s0f0", "one HCA, not a list"
+    assert env["NCCL_IB_ADDR_RANGE"] == "192.168.192.0/24" and env["NCCL_NET"] == "IB"
+    # the same facts in another order: the same pin
+    shuffled = {**ROCE4, "rdma": list(reversed(ROCE4["rdma"]))}
+    assert choose_fabric("spark2", shuffled).hca == "rocep1s0f0"
+    # no route through an RDMA netdev: the first RDMA netdev by name and its HCA; never Wi-Fi/management
+    g = choose_fabric("spark2", {**ROCE4, "route_to_head": "wlP9s9"})
+    assert g.iface not in ("wlP9s9", "enP7s7") and g.hca in g.hcas
+    assert fabric_env(g)["NCCL_IB_HCA"] == g.hca
+    # override (recipe engine.ib_hca, also through the inventory's recipe_overrides): must be active
+    assert choose_fabric("spark2", ROCE4, override_hca="rocep1s0f1").hca == "rocep1s0f1"
+    with pytest.raises(InputError, match="not an active RoCE device"):
+        choose_fabric("spark2", ROCE4, override_hca="mlx5_9")
+    # recipe values override single RoCE settings; sockets without RoCE
+    assert fabric_env(f, {"NCCL_IB_GID_INDEX": "1"})["NCCL_IB_GID_INDEX"] == "1"
+    s = fabric_env(choose_fabric("spark2", {**ROCE4, "rdma": [], "route_to_head": "enP7s7"}))
+    assert s["NCCL_NET"] == "Socket" and s["NCCL_IB_DISABLE"] == "1" and "NCCL_IB_HCA" not in s
+
+
+def test_ib_hca_override_from_the_recipe_or_inventory():
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml", None, ("engine.ib_hca.spark2=rocep1s0f1",))
+    assert dep.recipe.engine.ib_hca == {"spark2": "rocep1s0f1"}
+
+
+def test_bad_memory_limit_is_refused():
+    with pytest.raises(InputError, match="docker memory size"):
+        load_deployment(INVENTORIES_DIR / "spark4.yml", None, ("engine.memory_limit=lots",))

@@ -197,3 +197,94 @@ def test_api_checks_against_a_local_engine_double(tmp_path):
     with api.http_client() as client:
         down = api.check(client, base, "dsv", None, 1, 2)
     assert not down.ok and "connection refused" in down.detail
+
+
+# -- boot 10: start order and the memory gate (orchestrator/launch/launcher.py) ----------------------
+
+class _GateShell:
+    """A host whose memory-gate command answers with a fixed MemAvailable (kB)."""
+
+    def __init__(self, host, kib: int, drop_line: str = "drop: done"):
+        self.host, self.kib, self.drop_line, self.calls = host, kib, drop_line, []
+
+    def run(self, argv, timeout=60.0, stdin=None):
+        from orchestrator.executors.ssh import Result
+        self.calls.append(list(argv))
+        return Result(0, f"{self.drop_line}\nMemAvailable:   {self.kib} kB\n", "")
+
+
+def _launch(tmp_path, monkeypatch, kib: dict[str, int], *sets: str):
+    """launcher._Launch.run on spark4 with every host step faked except the gate and the order."""
+    from orchestrator.launch import launcher
+    from orchestrator.launch.fabric import Fabric
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml", None, ("engine.start_wait_s=0.2", *sets))
+    names = [h.name for h in dep.cluster.hosts]
+    ctx = RunContext(tmp_path / "run")
+    shells = {n: _GateShell(dep.cluster.host(n), kib[n]) for n in names}
+    started: list[tuple[str, float]] = []
+    monkeypatch.setattr(launcher.probe, "read_host", lambda *a, **k: probe.HostRead({}, {}, "sha256:" + "0" * 64, []))
+    monkeypatch.setattr(launcher.probe, "engram_problem", lambda *a: None)
+    monkeypatch.setattr(launcher, "choose_fabric", lambda n, *a, **k: Fabric("enp1s0f0np0", "10.0.0.1", (), "t"))
+    monkeypatch.setattr(launcher, "remove_all", lambda sh, name: [])
+    monkeypatch.setattr(launcher, "start", lambda sh, spec, env: started.append((sh.host.name, time.monotonic()))
+                        or f"{sh.host.name}-cid")
+    logs = {n: ctx.host_log(n, "launch") for n in names}
+    out = launcher._Launch(dep, ctx, shells, names, logs, {}).run()
+    for log in logs.values():
+        log.close()
+    ctx.close()
+    return out, started, shells
+
+
+def test_workers_start_first_in_descending_rank_then_the_head(tmp_path, monkeypatch):
+    from orchestrator.launch.render import start_sequence
+    dep = spark4()
+    assert start_sequence(dep) == [("spark4",), ("spark3",), ("spark2",), ("spark1",)]
+    head_first = load_deployment(INVENTORIES_DIR / "spark4.yml", None, ("engine.start_order=head-first",))
+    assert start_sequence(head_first) == [("spark1",), ("spark2", "spark3", "spark4")]
+    ok = {n: 120 << 20 for n in ("spark1", "spark2", "spark3", "spark4")}
+    out, started, shells = _launch(tmp_path, monkeypatch, ok)
+    assert all(r.status == "ok" for r in out), [r.message for r in out]
+    assert [n for n, _ in started] == ["spark4", "spark3", "spark2", "spark1"]
+    assert started[3][1] - started[2][1] >= 0.2, "engine.start_wait_s before the head"
+    # every host: page cache dropped and the cache folder created, before any start
+    for sh in shells.values():
+        (argv,) = sh.calls
+        assert argv[-2:] == ["1", "/var/tmp/dsv41-vllm-cache"] and "drop_caches" in argv[2]
+
+
+def test_memory_gate_refuses_before_any_container_starts(tmp_path, monkeypatch):
+    kib = {"spark1": 120 << 20, "spark2": 120 << 20, "spark3": 42 << 20, "spark4": 120 << 20}
+    out, started, _ = _launch(tmp_path, monkeypatch, kib)
+    assert started == [], "no container starts anywhere"
+    res = {r.host: r for r in out}
+    assert res["spark3"].status == "failed"
+    assert "spark3: MemAvailable 42.0 GiB < 100 GiB (engine.min_mem_available_gib)" in res["spark3"].message
+    assert all(res[n].status == "skipped" and "memory gate" in res[n].message
+               for n in ("spark1", "spark2", "spark4"))
+
+
+def test_memory_gate_verdict_and_the_real_script(tmp_path):
+    from orchestrator.launch.containers import mem_available_kib, memgate_argv, memgate_verdict
+    assert memgate_verdict("a", 100 << 20, 100) == (True, "MemAvailable 100.0 GiB >= 100 GiB")
+    ok, msg = memgate_verdict("a", (99 << 20) + 5, 100)
+    assert not ok and msg.startswith("a: MemAvailable 99.0 GiB < 100 GiB")
+    assert memgate_verdict("a", 1, 0)[0], "0 = no gate"
+    # the script itself, here (no drop: that would empty this machine's page cache)
+    folder = tmp_path / "c" / "d"
+    p = subprocess.run(memgate_argv(False, str(folder)), capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and folder.is_dir() and mem_available_kib(p.stdout) > 0
+    assert "drop:" not in p.stdout
+
+
+def test_preflight_ram_check_holds_the_memory_gate():
+    from orchestrator.stages import preflight as pf
+    info = "MemTotal: 130000000 kB\nMemAvailable: 50000000 kB\n"
+    c = pf.check_ram("spark2", info, 0, None, 100)
+    assert c.status == "failed" and "spark2: MemAvailable 47.7 GiB < 100 GiB" in c.detail
+    c = pf.check_ram("spark2", info, 0, None, 100, engine_running=True)
+    assert c.status == "ok" and "judged at launch" in c.detail
+    assert pf.check_ram("spark2", "MemAvailable: 110000000 kB\n", 0, None, 100).status == "ok"
+    a = {x.host: x for x in pf.plan(spark4())[0]}["spark2"]
+    assert a.details["min_mem_available_gib"] == 100
+    assert a.details["commands"]["ram"][1][-2:] == ["--filter", "label=deployctl.deployment=spark4"]

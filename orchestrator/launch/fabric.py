@@ -8,6 +8,7 @@ and NCCL is told to use sockets.
 """
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ try:
         f = line.split()
         if len(f) > 3 and f[1] in net:
             net[f[1]]["addrs"].append(f[3].split("/")[0])
+            net[f[1]].setdefault("cidrs", []).append(f[3])
 except (OSError, subprocess.SubprocessError):
     pass
 rdma = []
@@ -54,16 +56,54 @@ print(json.dumps({"net": net, "rdma": rdma, "route_to_head": route}))
 """
 
 
+# NCCL over RoCE v2 on DGX Spark's ConnectX-7, as boot 10 ran it (tonyd2wild/DeepSeek-V4.1-Flash-
+# vLLM-DGX-Spark launch/dsv41-tp4.sh @ca662ac; docs/deepseek-runtime-contract.md). A recipe's
+# engine.nccl_roce_env overrides single values. Only added when the host has an active RoCE HCA.
+ROCE_ENV = {
+    "NCCL_NET": "IB",                      # the IB/RoCE transport, never a silent socket fallback
+    "NCCL_IB_GID_INDEX": "3",              # the RoCE v2 IPv4 GID on the Spark's ports
+    "NCCL_IB_ROCE_VERSION_NUM": "2",
+    "NCCL_IB_ADDR_FAMILY": "AF_INET",
+    "NCCL_CROSS_NIC": "0",                 # one NIC per node: no rail crossing
+    "NCCL_IB_MERGE_NICS": "0",             # the two ports of a CX-7 stay two devices
+}
+# Always on multi-node vLLM (RoCE or sockets): the same script sets them on every rank.
+NCCL_COMMON_ENV = {
+    "NCCL_NVLS_ENABLE": "0",               # no NVLink SHARP between Spark nodes
+    "NCCL_CUMEM_ENABLE": "0",              # cuMem allocations off (GB10 unified memory)
+}
+
+
 @dataclass(frozen=True)
 class Fabric:
     iface: str
     address: str
     hcas: tuple[str, ...]        # active RoCE devices, e.g. ("mlx5_0", "mlx5_1")
     reason: str                  # why this interface: shown in plans and logs
+    hca: str = ""                # the ONE RoCE device pinned for NCCL on this host ("" = no RoCE)
+    network: str = ""            # the fabric address's IPv4 network (NCCL_IB_ADDR_RANGE), if known
+
+
+def pin_hca(host: str, iface: str, active: list[dict[str, Any]], override: str = "") -> tuple[str, str]:
+    """The one RoCE HCA NCCL uses on HOST and why: the override (must be active), else the active HCA
+    backing the fabric interface, else the first active one by name (deterministic)."""
+    devs = sorted({r["dev"] for r in active})
+    if override:
+        if override not in devs:
+            raise InputError(f"host {host}: engine.ib_hca {override!r} is not an active RoCE device there "
+                             f"(active: {', '.join(devs) or 'none'})", key=f"engine.ib_hca.{host}")
+        return override, f"HCA {override} pinned (engine.ib_hca)"
+    if not devs:
+        return "", ""
+    backing = sorted({r["dev"] for r in active if iface in r.get("netdevs", [])})
+    if backing:
+        return backing[0], f"HCA {backing[0]} backs {iface}"
+    return devs[0], f"HCA {devs[0]} (first active of {', '.join(devs)})"
 
 
 def choose_fabric(host: str, facts: dict[str, Any], override_iface: str | None = None,
-                  override_address: str | None = None, mgmt_address: str | None = None) -> Fabric:
+                  override_address: str | None = None, mgmt_address: str | None = None,
+                  override_hca: str = "") -> Fabric:
     net: dict[str, dict] = facts.get("net", {})
     active = [r for r in facts.get("rdma", [])
               if "ACTIVE" in r.get("state", "") and r.get("link_layer", "Ethernet") == "Ethernet"]
@@ -89,7 +129,9 @@ def choose_fabric(host: str, facts: dict[str, Any], override_iface: str | None =
         rdma_nets = sorted({n for r in active for n in r.get("netdevs", []) if usable(n)})
         route = facts.get("route_to_head", "")
         if rdma_nets:
-            iface = route if route in rdma_nets else rdma_nets[0]
+            # the one routing to the head, else the first (by name) that has an IPv4 address
+            iface = route if route in rdma_nets else next(
+                (n for n in rdma_nets if net[n].get("addrs")), rdma_nets[0])
             reason = f"{iface}: backs active RoCE device(s) {', '.join(hcas)}"
         elif route and route != "lo" and usable(route):
             iface, reason = route, f"{route}: routes to the head; no active RoCE device, NCCL over sockets"
@@ -105,14 +147,34 @@ def choose_fabric(host: str, facts: dict[str, Any], override_iface: str | None =
     if not address:
         raise InputError(f"host {host}: fabric interface {iface} has no IPv4 address; set "
                          "fabric_address in the inventory", key=f"all.hosts.{host}.fabric_address")
-    return Fabric(iface, address, hcas, reason)
+    hca, why = pin_hca(host, iface, active, override_hca)
+    if hca:
+        reason = f"{reason}; {why}"
+    network = ""
+    for cidr in net.get(iface, {}).get("cidrs", []):
+        try:
+            itf = ipaddress.ip_interface(cidr)
+        except ValueError:
+            continue
+        if str(itf.ip) == address:
+            network = str(itf.network)
+    return Fabric(iface, address, hcas, reason, hca, network)
 
 
-def fabric_env(f: Fabric) -> dict[str, str]:
-    """NCCL/GLOO/TP/UCX variables for one host (deployment-facts.md, "Multi-node NCCL")."""
+def fabric_env(f: Fabric, roce: dict[str, str] | None = None) -> dict[str, str]:
+    """NCCL/GLOO/TP/UCX variables for one host (deployment-facts.md, "Multi-node NCCL"). With an
+    active RoCE HCA: ONE pinned HCA (f.hca) and the RoCE v2 block (ROCE_ENV, ROCE overriding values);
+    without: NCCL over sockets."""
     env = {"NCCL_SOCKET_IFNAME": f.iface, "GLOO_SOCKET_IFNAME": f.iface, "TP_SOCKET_IFNAME": f.iface,
-           "UCX_NET_DEVICES": f.iface, "VLLM_HOST_IP": f.address,
+           "UCX_NET_DEVICES": f.iface, "MN_IF_NAME": f.iface, "VLLM_HOST_IP": f.address,
            "NCCL_IB_DISABLE": "0" if f.hcas else "1"}
     if f.hcas:
-        env["NCCL_IB_HCA"] = ",".join(f.hcas)
+        env["NCCL_IB_HCA"] = f.hca or f.hcas[0]
+        env.update(ROCE_ENV)
+        if f.network:
+            env["NCCL_IB_ADDR_RANGE"] = f.network
+        env.update(roce or {})
+    else:
+        env["NCCL_NET"] = "Socket"
+    env.update(NCCL_COMMON_ENV)
     return env

@@ -9,8 +9,12 @@ start the head and the workers.
 3. every host already runs this spec on this image and the API answers: nothing to do (skipped);
 4. stop and remove the deployment's containers on EVERY host and verify they are gone (a new worker
    could join a stale head's rendezvous and hang);
-5. start the head, then the workers in parallel. From here on a Ctrl-C (or, unless
-   --keep-on-failure, a failure of launch or health) removes this deployment's containers again.
+5. the memory gate on every host (engine.drop_caches, engine.min_mem_available_gib): drop the page
+   cache, read MemAvailable; a host below the threshold fails with its numbers and nothing starts;
+6. start in render.start_sequence order: head-first (the head, then the workers in parallel) or
+   workers-first (boot 10: each worker in descending rank, engine.start_wait_s, then the head).
+   From here on a Ctrl-C (or, unless --keep-on-failure, a failure of launch or health) removes this
+   deployment's containers again.
 """
 from __future__ import annotations
 
@@ -26,12 +30,12 @@ from ..plan import Action
 from ..runrecord import HostLog, RunContext
 from ..stages.base import HostFailure, HostResult
 from . import api, probe
-from .containers import Container, remove_all, start
+from .containers import Container, memory_gate, remove_all, start
 from .fabric import Fabric, choose_fabric
 from .lifecycle import remove_everywhere
 from .remote import Shells, parallel, run_shells
 from .results import failure, record
-from .render import ContainerSpec, container_spec, expand_env
+from .render import ContainerSpec, container_spec, expand_env, start_sequence
 
 STAGE = "launch"
 
@@ -111,7 +115,9 @@ class _Launch:
         for n in self.names:
             h = self.dep.cluster.host(n)
             try:
-                out[n] = choose_fabric(n, info[n].facts or {}, h.fabric_iface, h.fabric_address, h.address)
+                pin = self.dep.recipe.engine.ib_hca
+                out[n] = choose_fabric(n, info[n].facts or {}, h.fabric_iface, h.fabric_address, h.address,
+                                       pin.get(n) or pin.get("*", ""))
                 self.logs[n].write(f"fabric: {out[n].iface} {out[n].address} ({out[n].reason})")
             except InputError as e:
                 bad[n] = e
@@ -172,16 +178,33 @@ class _Launch:
             return self.abort(bad, f"earlier containers removed here; nothing started because "
                                    f"{', '.join(sorted(bad))} could not be cleared")
 
+        e = dep.recipe.engine
+        if e.drop_caches or e.min_mem_available_gib or e.cache_dir:
+            _, bad = self.phase("memory-gate", self.names, self.gate)
+            if bad:
+                return self.abort(bad, f"earlier containers removed here; nothing started because "
+                                       f"{', '.join(sorted(bad))} failed the memory gate")
+
         started: dict[str, str] = {}
-        ok, bad = self.phase("start-head", [self.head], lambda n: self.start(n, specs[n], envs[n]))
-        started.update(ok)
-        if not bad:
-            workers = [n for n in self.names if n != self.head]
-            ok, bad = self.phase("start-workers", workers, lambda n: self.start(n, specs[n], envs[n]))
+        bad = {}
+        for group in start_sequence(dep):
+            group = [n for n in group if n in self.names]
+            if not group:
+                continue
+            wait = specs[group[0]].start.get("wait_before_s", 0) if group == [self.head] else 0
+            if wait:
+                self.logs[self.head].write(f"waiting {wait:g}s after the workers before starting the head")
+                if ctx.cancel.wait(wait):
+                    bad = {self.head: HostFailure("cancelled (Ctrl-C) before starting")}
+                    break
+            what = "start-head" if group == [self.head] else "start-workers"
+            ok, bad = self.phase(what, group, lambda n: self.start(n, specs[n], envs[n]))
             started.update(ok)
+            if bad:
+                break
         ctx.options["launched"] = set(started)
         if bad:
-            return self.abort(bad, "not started: the head failed to start",
+            return self.abort(bad, f"not started: {', '.join(sorted(bad))} failed to start before it",
                               {n: f"started {cid[:12]}" for n, cid in started.items()})
         out = []
         for n in self.names:
@@ -203,6 +226,15 @@ class _Launch:
         self.logs[name].write("removed: " + (", ".join(c.describe() for c in gone) or "nothing to remove")
                               + f"; verified: no container of {self.dep.name} left")
         return gone
+
+    def gate(self, name: str) -> str:
+        e = self.dep.recipe.engine
+        notes, msg = memory_gate(self.shells[name], e.drop_caches, e.min_mem_available_gib, e.cache_dir)
+        self.logs[name].write("memory gate: " + "; ".join([*notes, msg]))
+        for note in notes:
+            if "skipped" in note:
+                self.ctx.say(f"  {name}: page-cache {escape(note)}")
+        return msg
 
     def start(self, name: str, spec: ContainerSpec, env: dict[str, str]) -> str:
         if self.ctx.cancel.is_set():

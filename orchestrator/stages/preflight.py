@@ -10,7 +10,9 @@ checks, each run even when an earlier one failed (only a host without SSH skips 
           skipped only with the documented opt-out `expect_gpus: false` (hosts without GPUs)
   nvme    free space (df, nearest existing parent) >= the sizing model's NVMe need, counting what
           is already staged there (du)
-  ram     MemAvailable >= the sizing model's host-RAM need (pinned tables, page cache)
+  ram     MemAvailable >= the sizing model's host-RAM need (pinned tables, page cache), and
+          >= the recipe's engine.min_mem_available_gib (the launch memory gate, judged early; not
+          judged while a container of the deployment runs there: launch stops it first)
   fabric  /sys/class/net/IF/operstate is up (when the inventory gives fabric_iface)
   clock   `date +%s.%N` within 2 s of this machine's clock (half the SSH round trip allowed)
 
@@ -58,7 +60,7 @@ def docker_argv(h: Host, *args: str) -> list[str]:
     return ["docker", *(["-H", h.docker_host] if h.docker_host != DEFAULT_DOCKER_HOST else []), *args]
 
 
-def commands(h: Host, nvme: list[dict[str, Any]]) -> dict[str, list[list[str]]]:
+def commands(h: Host, nvme: list[dict[str, Any]], gate_deployment: str = "") -> dict[str, list[list[str]]]:
     """The argv of every check, by check name (what `plan` shows and `apply` runs)."""
     out: dict[str, list[list[str]]] = {
         "arch": [["uname", "-m"]],
@@ -69,6 +71,8 @@ def commands(h: Host, nvme: list[dict[str, Any]]) -> dict[str, list[list[str]]]:
     if nvme:
         out["nvme"] = [["sh", "-c", SPACE_SH, "sh", n["path"]] for n in nvme]
     out["ram"] = [["cat", "/proc/meminfo"]]
+    if gate_deployment:   # the memory gate: is the deployment's engine running there (holding memory)?
+        out["ram"].append(docker_argv(h, "ps", "-q", "--filter", f"label=deployctl.deployment={gate_deployment}"))
     if h.fabric_iface:
         out["fabric"] = [["cat", f"/sys/class/net/{h.fabric_iface}/operstate"]]
     out["clock"] = [["date", "+%s.%N"]]
@@ -86,20 +90,22 @@ def plan(dep):
         node = sizing.node(h.name)
         nvme = [{"path": p, "need_gb": round(gb, 2)} for p, gb in node.nvme_needs()]
         ram = round(node.host_ram_need_gb(), 2)
-        cmds = commands(h, nvme)
+        gate = dep.recipe.engine.min_mem_available_gib
+        cmds = commands(h, nvme, dep.name if gate else "")
         arch = h.expect_arch or KINDS[h.hardware].arch
         gpus = (f"{h.gpus} GPU(s) + NVIDIA runtime" if "gpus" in cmds else
                 "GPU checks off (expect_gpus: false)" if not h.expect_gpus else "no GPUs declared")
         space = ", ".join(f"{n['need_gb']:.1f} GB free for {n['path']}" for n in nvme) or "no NVMe need"
         summary = (f"check {h.name} ({h.address}): SSH host key, {arch}, Docker engine, {gpus}, {space}"
                    + (f", {ram:.1f} GB available RAM" if ram else "")
+                   + (f", MemAvailable >= {gate:g} GiB (launch memory gate)" if gate else "")
                    + (f", fabric {h.fabric_iface} up" if h.fabric_iface else "") + ", clock")
         api = f"ssh {h.user}@{h.address}:{h.port}: " + " ; ".join(
             shlex.join(argv) for argvs in cmds.values() for argv in argvs)
         acts.append(Action("preflight", h.name, "ssh-checks", summary, api=api, details={
             "arch": arch, "gpus": h.gpus, "expect_gpus": h.expect_gpus, "nvme": nvme,
             "host_ram_need_gb": ram, "fabric_iface": h.fabric_iface, "max_clock_skew_s": MAX_CLOCK_SKEW_S,
-            "commands": cmds, **_pinned(dep, h)}))
+            "commands": cmds, "min_mem_available_gib": gate, **_pinned(dep, h)}))
     return acts, ""
 
 
@@ -195,11 +201,24 @@ def mem_available_gb(meminfo: str) -> float:
     raise ValueError("no MemAvailable line in /proc/meminfo")
 
 
-def check_ram(host: str, meminfo: str, need_gb: float, pinned_table: dict[str, Any] | None = None) -> Check:
+def check_ram(host: str, meminfo: str, need_gb: float, pinned_table: dict[str, Any] | None = None,
+              min_gib: float = 0.0, engine_running: bool = False) -> Check:
     """MemAvailable against the sizing model's host-RAM need; a pinned PLE table is judged by the
-    PLE writer's own rule (tables/ple_write.py: pinned_ram_verdict), so both stages agree."""
+    PLE writer's own rule (tables/ple_write.py: pinned_ram_verdict), so both stages agree. MIN_GIB:
+    the launch memory gate (launch/containers.py memgate_verdict), unless the deployment's engine
+    runs there (ENGINE_RUNNING: launch stops it and drops the page cache before judging)."""
     from ..sizing import host_ram_problem
     avail = mem_available_gb(meminfo)
+    gate = ""
+    if min_gib:
+        from ..launch.containers import mem_available_kib, memgate_verdict
+        ok, msg = memgate_verdict(host, mem_available_kib(meminfo), min_gib)
+        if engine_running:
+            gate = f"; memory gate ({min_gib:g} GiB) judged at launch: the deployment's engine runs here"
+        elif not ok:
+            return Check("ram", "failed", msg)
+        else:
+            gate = f"; {msg} (memory gate)"
     if pinned_table is not None:
         from ..tables.ple_write import pinned_ram_verdict
         ok, msg = pinned_ram_verdict(int(avail * 1e9), pinned_table, host)
@@ -208,7 +227,7 @@ def check_ram(host: str, meminfo: str, need_gb: float, pinned_table: dict[str, A
     if need_gb and avail < need_gb:
         p = host_ram_problem(host, need_gb, avail, "MemAvailable")
         return Check("ram", "failed", f"{p.message}; {p.fix}")
-    return Check("ram", "ok", f"{avail:.1f} GB available" + (f", needs {need_gb:.1f}" if need_gb else ""))
+    return Check("ram", "ok", f"{avail:.1f} GB available" + (f", needs {need_gb:.1f}" if need_gb else "") + gate)
 
 
 def check_fabric(iface: str, rc: int, out: str) -> Check:
@@ -269,8 +288,15 @@ def _host_checks(session, h: Host, d: dict[str, Any]) -> list[Check]:
                                parse_space(out) if rc == 0 else f"df exited {rc}: {err.strip()[-200:]}"))
             return check_nvme(h.name, spaces)
         checks.append(guarded("nvme", nvme))
-    checks.append(guarded("ram", lambda: check_ram(h.name, run(cmds["ram"][0])[1], d["host_ram_need_gb"],
-                                                   d.get("pinned_table"))))
+    def ram() -> Check:
+        meminfo = run(cmds["ram"][0])[1]
+        running = False
+        if len(cmds["ram"]) > 1:
+            rc, out, _ = run(cmds["ram"][1])
+            running = rc == 0 and bool(out.strip())
+        return check_ram(h.name, meminfo, d["host_ram_need_gb"], d.get("pinned_table"),
+                         d.get("min_mem_available_gib") or 0.0, running)
+    checks.append(guarded("ram", ram))
     if "fabric" in cmds:
         checks.append(guarded("fabric", lambda: check_fabric(h.fabric_iface or "", *run(cmds["fabric"][0])[:2])))
 
