@@ -48,7 +48,7 @@ from orchestrator.stages.write_ple import spec_for               # noqa: E402
 from orchestrator.tables import bulkcopy, bundle                 # noqa: E402
 from orchestrator.tables import ple_write as P                   # noqa: E402
 from orchestrator.tables.geometry import total_rows              # noqa: E402
-from tests.synth import TensorPlan, write_checkpoint             # noqa: E402
+from tests.synth import TensorPlan, ple_shard_rows, recipe_config, write_checkpoint             # noqa: E402
 
 RECIPE = "qwen38-flash-next-spark"
 PLAIN_WRITER = """
@@ -153,16 +153,15 @@ def make_checkpoint(folder: Path, size_gb: float, shards: int, files: int, seed:
     """A checkpoint whose PLE shards hold the recipe geometry's rows, with vocab scaled to SIZE."""
     width = 160
     vocab = max(200, int(size_gb * 1e9 / width / 16))
-    sets = [f"ple.geometry.vocab_per_order=[{vocab},{vocab}]", f"ple.shards={shards}"]
+    sets = [f"ple.geometry.vocab_per_order=[{vocab},{vocab}]", f"ple.shards={shards}",
+            f"ple.split_ngram_parts={shards}"]
     recipe = load_recipe(RECIPE, sets).recipe
     rows = total_rows(recipe.ple.geometry)
-    rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, rows), shards - 1))
-    bounds = [0, *cuts, rows]
     layer = recipe.ple.geometry.layers[0]
-    tensors = [TensorPlan(recipe.ple.shard_tensor.format(layer=layer, shard=i), "F8_E4M3",
-                          bounds[i + 1] - bounds[i], width) for i in range(shards)]
-    write_checkpoint(folder, tensors, files=files)
+    # shards cut as the released SGLang's loader places them (tests/synth.py ple_shard_rows)
+    tensors = [TensorPlan(recipe.ple.shard_tensor.format(layer=layer, shard=i), "F8_E4M3", n, width)
+               for i, n in enumerate(ple_shard_rows(recipe.ple))]
+    write_checkpoint(folder, tensors, files=files, config=recipe_config(recipe))
     return recipe, rows * width
 
 
@@ -263,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         plain_peak.pop()
 
         # what the per-chunk sha256 costs: the copy alone, with and without, alternating
-        src = P.resolve_source(P.load_spec(spec), ck)
+        table_spec = P.load_spec(spec)
+        src = P.resolve_source(table_spec, ck)
+        (table,) = table_spec.tables()
+        segments = P.segments_for(table, src, table.row_bytes)
         with_sums, without = [], []
         for r in range(a.rounds):
             for flag, acc in ((True, with_sums), (False, without))[::1 if r % 2 == 0 else -1]:
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.sync()
                 out = base / "copy.bin"
                 fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                res_c = bulkcopy.copy_segments(fd, src.segments, checksums=flag)
+                res_c = bulkcopy.copy_segments(fd, segments, checksums=flag)
                 os.close(fd)
                 out.unlink()
                 acc.append(total / res_c.seconds / 1e6)

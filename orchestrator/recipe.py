@@ -32,12 +32,24 @@ class EngramSpec:
     scale_tensor: str | None = "layers.{layer}.engram.embed.scale"
     scale_dtype: str = "U8"
     scale_values_per_row: int = 8        # one E8M0 scale per 32 FP8 values
-    layout: Literal["sparse", "packed"] = "sparse"
+    # "sparse": per rank, sparse copies of the checkpoint's own Engram shards (original header, the
+    # rank's rows at their original offsets) + the index + engram-local.json: what the patched vLLM reads
+    # through local_dir_env (docs/engram-contract.md). The only layout: nothing reads any other.
+    layout: Literal["sparse"] = "sparse"
+    # auto: on a node whose checkpoint is its own (model.source head) and on the same filesystem as the
+    # staged folder, hard-link the Engram shards instead of copying the rank's rows (no bytes written:
+    # reading the checkpoint costs the engine what reading a copy does; docs/engram-contract.md has the
+    # figures); otherwise (source shared, another filesystem) copy. copy: always copy.
+    staging: Literal["auto", "copy"] = "auto"
     subdir: str = "engram"               # below the host's nvme_dir
     free_margin_gb: float = 5.0          # NVMe free space kept beyond the staged bytes
     # Engine environment for Engram-on-disk (patched vLLM); set only when placement is nvme.
     nvme_env: dict[str, str] = field(default_factory=lambda: {
         "DSV41_ENGRAM_DISK": "1", "DSV41_ENGRAM_DISK_THREADS": "32", "DSV41_ENGRAM_DISK_CHUNK": "16"})
+    # The variable naming the folder of node-local rows to the engine; launch sets it to the container
+    # mount of the host's staged folder (placement nvme only). null: not set (the engine then reads
+    # every row from the checkpoint folder).
+    local_dir_env: str | None = "DSV41_ENGRAM_DIR"
 
 
 @dataclass(frozen=True)
@@ -48,7 +60,13 @@ class PleSpec:
     shard_tensor: str = ("model.language_model.layers.{layer}.ple.ple_embedding."
                          "ngram_embedding.shard_{shard}.weight")
     shards: int = 128
-    file_pattern: str = "ple_table_{rows}x{width}_{dtype}_{bytes}B.bin"
+    # How SGLang lays the table out (tables/ple_layout.py); the checkpoint's config.json
+    # (text_config) has the same keys and write-ple refuses a recipe that disagrees with it.
+    make_ngram_vocab_size_divisible_by: int = 128
+    split_ngram_parts: int = 512          # upstream default; the 128-shard checkpoint says 128
+    # The image's patch package (SGLang's SGLANG_EXTERNAL_MODEL_PACKAGE) that skips the engine's
+    # boot-time rewrite of a table write-ple wrote and checked; "" runs upstream's loader.
+    prewritten_package: str = "deployctl_sglang_ple"
     subdir: str = "ple"
     page_cache_budget_gib: float = 8.0
     min_host_ram_gb: float = 64.0        # pinned placement: available RAM the host needs
@@ -108,6 +126,44 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     shm_size: str = "64g"
     container_name: str = ""             # default: deployctl-<deployment>-<host>
+    # docker run --memory / --memory-swap (e.g. "112g"); "" = no limit (docs/deepseek-runtime-contract.md)
+    memory_limit: str = ""
+    memory_swap: str = ""
+    # a host folder mounted read-write at cache_mount (kernel, compile and Hub caches that survive
+    # container restarts); "" = none. The launcher creates it before the container starts.
+    cache_dir: str = ""
+    cache_mount: str = "/cache"
+    # before the container starts on a host: drop its page cache (`sync; echo 3 > drop_caches`,
+    # needs root or passwordless sudo there, else skipped with a message), then refuse to start
+    # unless MemAvailable >= min_mem_available_gib (GiB; 0 = no gate). Preflight checks it too.
+    drop_caches: bool = False
+    min_mem_available_gib: float = 0.0
+    # multi-node start order: "head-first" (the head, then the workers in parallel) or
+    # "workers-first" (the workers one by one in descending rank, then start_wait_s, then the head)
+    start_order: Literal["head-first", "workers-first"] = "head-first"
+    start_wait_s: float = 0.0
+    # RoCE HCA pinned in NCCL_IB_HCA, by host name ("*": every host); default: detected per host
+    ib_hca: dict[str, str] = field(default_factory=dict)
+    # NCCL RoCE settings added when a host has an active RoCE HCA (fabric.py ROCE_ENV is the default)
+    nccl_roce_env: dict[str, str] = field(default_factory=dict)
+
+    def validate(self, path: str, file: str) -> None:
+        import re
+        for name in ("memory_limit", "memory_swap"):
+            v = getattr(self, name)
+            if v and not re.fullmatch(r"[0-9]+[bkmgBKMG]?", v):
+                raise InputError(f"expected a docker memory size such as 112g, got {v!r}",
+                                 file=file, key=f"{path}.{name}")
+        if self.memory_swap and not self.memory_limit:
+            raise InputError("memory_swap needs memory_limit (docker refuses --memory-swap alone)",
+                             file=file, key=f"{path}.memory_swap")
+        for name in ("cache_dir", "cache_mount"):
+            v = getattr(self, name)
+            if v and not v.startswith("/"):
+                raise InputError(f"must be an absolute path, got {v!r}", file=file, key=f"{path}.{name}")
+        if self.min_mem_available_gib < 0 or self.start_wait_s < 0:
+            raise InputError("must not be negative", file=file,
+                             key=f"{path}.{'start_wait_s' if self.start_wait_s < 0 else 'min_mem_available_gib'}")
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,9 @@ def expected_row(name: str, row: int, width: int) -> bytes:
 
 
 def write_checkpoint(folder: str | Path, tensors: list[TensorPlan], files: int = 3,
-                     extra: dict[str, bytes] | None = None) -> Path:
-    """Write `tensors` round-robin over `files` safetensors files plus the index json."""
+                     extra: dict[str, bytes] | None = None, config: dict | None = None) -> Path:
+    """Write `tensors` round-robin over `files` safetensors files plus the index json and
+    config.json (`config`, default a placeholder)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     groups: list[list[TensorPlan]] = [[] for _ in range(max(1, files))]
@@ -77,7 +78,7 @@ def write_checkpoint(folder: str | Path, tensors: list[TensorPlan], files: int =
         os.replace(tmp, folder / fname)
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
-    (folder / "config.json").write_text(json.dumps({"synthetic": True}))
+    (folder / "config.json").write_text(json.dumps(config or {"synthetic": True}, indent=1))
     for name, data in (extra or {}).items():
         (folder / name).write_bytes(data)
     return folder
@@ -96,10 +97,55 @@ def recipe_tensors(recipe: Recipe, dense_mb: int = 1) -> list[TensorPlan]:
                                       eg.scale_values_per_row))
     ple = recipe.ple
     if ple is not None:
-        total = G.total_rows(ple.geometry)
         layer = ple.geometry.layers[0]
-        base, rem = divmod(total, ple.shards)
-        for i in range(ple.shards):
+        for i, rows in enumerate(ple_shard_rows(ple)):
             out.append(TensorPlan(ple.shard_tensor.format(layer=layer, shard=i), ple.geometry.dtype,
-                                  base + (1 if i < rem else 0), ple.geometry.row_values))
+                                  rows, ple.geometry.row_values))
     return out
+
+
+def ple_shard_rows(ple, shards: int | None = None) -> list[int]:
+    """Rows of each PLE checkpoint shard as an exporter for the released SGLang cuts them: shard i
+    holds global rows [i x stride, ...) with stride = ceil(padded rows / split_ngram_parts)
+    (sglang qwen4_exp.py load_qwen4_exp_ple_shard), the last one the remainder."""
+    shards = shards or ple.shards
+    total = G.total_rows(ple.geometry)
+    div = ple.make_ngram_vocab_size_divisible_by
+    stride = -(-((total + div - 1) // div * div) // ple.split_ngram_parts)
+    return [max(0, min(stride, total - i * stride)) for i in range(shards)]
+
+
+def recipe_config(recipe: Recipe) -> dict:
+    """config.json of a synthetic checkpoint: for a PLE recipe the Qwen4-Exp fields SGLang sizes and
+    places the table with (configs/qwen4_exp.py, text_config authoritative)."""
+    ple = recipe.ple
+    if ple is None:
+        return {"synthetic": True, **engram_config(recipe)}
+    g = ple.geometry
+    heads = len(g.orders) * g.heads_per_order
+    return {"synthetic": True, "architectures": ["Qwen4ExpForConditionalGeneration"],
+            "model_type": "qwen4_exp",
+            "text_config": {"model_type": "qwen4_exp_text", "ple_layer_ids": [g.layers[0] + 1],
+                            "ngram_size": max(g.orders), "heads_per_ngram": g.heads_per_order,
+                            "ngram_vocab_size_base": g.vocab_per_order[0],
+                            "ple_embed_dim": heads * g.row_values, "hidden_size": heads * g.row_values,
+                            "make_ngram_vocab_size_divisible_by": ple.make_ngram_vocab_size_divisible_by,
+                            "split_ngram_parts": ple.split_ngram_parts,
+                            "ple_embedding_dtype": "float8_e4m3fn" if g.dtype == "F8_E4M3" else None}}
+
+
+def engram_config(recipe: Recipe) -> dict:
+    """The DeepSeek-V4.1 config.json keys the patched vLLM engram.py builds its Engram tables from
+    (EngramLayout: engram_layer_ids, engram_vocab_size, engram_max_ngram_size, engram_n_heads,
+    engram_head_dim; one scale per 32 values), for a recipe whose geometry they can express (one
+    base vocabulary for every order, orders 2..N); {} otherwise (the engine double then reads nothing)."""
+    eg = recipe.engram
+    if eg is None:
+        return {}
+    g = eg.geometry
+    if len(set(g.vocab_per_order)) != 1 or list(g.orders) != list(range(2, 2 + len(g.orders))):
+        return {}
+    return {"engram_layer_ids": list(g.layers), "engram_vocab_size": g.vocab_per_order[0],
+            "engram_max_ngram_size": len(g.orders) + 1, "engram_n_heads": g.heads_per_order,
+            "engram_head_dim": g.row_values,
+            "engram_num_embeddings": [t.rows for t in G.layer_tables(g)]}

@@ -475,24 +475,6 @@ def test_bad_int_flag_exits_2(spawn):
 
 # ------------------------------------------------------------------------------------- staged data
 
-def test_engram_ranges(spawn, tmp_path):
-    d = tmp_path / "engram"
-    d.mkdir()
-    ranges = {"layers": {"1": [1000, 2000], "14": [5000, 6000]}}
-    (d / "engram-local.json").write_text(json.dumps(ranges))
-    env = dict(DSV41_ENGRAM_DISK="1", DOUBLE_ENGRAM_DIR=d)
-    ok_port = free_port()
-    ok = spawn(vllm_args(ok_port), base_env(**env, DOUBLE_EXPECT_RANGES=json.dumps(ranges)))
-    bad = spawn(vllm_args(free_port()), base_env(**env, DOUBLE_EXPECT_RANGES=json.dumps(
-        {"layers": {"1": [0, 1000], "14": [4000, 5000]}})))
-    missing = spawn(vllm_args(free_port()), base_env(DSV41_ENGRAM_DISK="1", DOUBLE_ENGRAM_DIR=tmp_path / "none"))
-    wait_health(ok_port, 200, 10, ok)
-    assert "Engram layer 1: local rows [1000, 2000)" in ok.log()
-    assert "Engram layer 14: local rows [5000, 6000)" in ok.log()
-    assert bad.wait(5) == 5 and "engram rows staged for another rank" in bad.log()
-    assert missing.wait(5) == 5 and "engram-local.json not found" in missing.log()
-
-
 def sglang_cmd() -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server"]
 
@@ -501,47 +483,88 @@ def sglang_env(**extra) -> dict:
     return base_env(PYTHONPATH=str(SHIMS), **extra)
 
 
-def sglang_args(port: int, ple_dir: Path, backend: str = "file") -> list[str]:
-    return ["--model-path", "/models/Qwen3.8-Flash-Next-NVFP4", "--tp-size", "1", "--port", str(port),
+def sglang_args(port: int, ple_dir: Path, backend: str = "file",
+                model: str = "/models/Qwen3.8-Flash-Next-NVFP4", embedding: bool = True) -> list[str]:
+    return ["--model-path", model, "--tp-size", "1", "--port", str(port),
             "--host", LOOP, "--served-model-name", "qwen3.8-flash-next", "--speculative-algorithm", "NEXTN",
             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+            *(["--ple-offload-embedding"] if embedding else []),
             "--ple-offload-backend", backend, "--ple-offload-dir", str(ple_dir),
             "--mem-fraction-static", "0.8", "--max-running-requests", "8", "--context-length", "262144"]
 
 
-def test_sglang_ple_file_checks(spawn, tmp_path):
-    empty, two, short, good = (tmp_path / n for n in ("empty", "two", "short", "good"))
-    for d in (empty, two, short, good):
-        d.mkdir()
-    (two / "ple_table_a_fp8_4B.bin").write_bytes(b"abcd")
-    (two / "ple_table_b_fp8_4B.bin").write_bytes(b"abcd")
-    (short / "ple_table_320001446x160_fp8_51200231360B.bin").write_bytes(b"\0" * 100)
-    (good / "ple_table_4096x160_fp8_655360B.bin").write_bytes(b"\1" * 655360)
-    (good / "other.txt").write_text("not a table")
+PATCHES = HERE.parent / "dockerfiles" / "sglang-qwen38" / "patches"
+PLE_SETS = ("ple.geometry.vocab_per_order=[97,101]", "ple.shards=4", "ple.split_ngram_parts=4")
 
-    bad = [spawn(sglang_args(free_port(), d), sglang_env(), cmd=sglang_cmd()) for d in (empty, two, short)]
+
+@pytest.fixture
+def qwen_ckpt(tmp_path):
+    """A small Qwen checkpoint (config.json with the PLE fields SGLang reads) and the table file
+    deployctl's write-ple op wrote from it, with its manifest."""
+    from orchestrator.recipe import load_recipe
+    from orchestrator.stages.write_ple import spec_for
+    from orchestrator.tables import ple_write
+    from tests import synth
+    r = load_recipe("qwen38-flash-next-spark", PLE_SETS).recipe
+    ck = tmp_path / "ck"
+    synth.write_checkpoint(ck, [t for t in synth.recipe_tensors(r) if ".ple." in t.name], files=2,
+                           config=synth.recipe_config(r))
+    out = ple_write.write_table(ple_write.parse_spec(spec_for(r)), ck, tmp_path / "ple", quiet=True)
+    return ck, Path(out.data["file"])
+
+
+def ple_env(**extra) -> dict:
+    return base_env(PYTHONPATH=f"{SHIMS}:{PATCHES}", SGLANG_EXTERNAL_MODEL_PACKAGE="deployctl_sglang_ple", **extra)
+
+
+def test_sglang_ple_table_as_the_released_engine_maps_it(spawn, tmp_path, qwen_ckpt):
+    ck, table = qwen_ckpt
+    want, st = table.read_bytes(), table.stat()
+    # 1. the table deployctl wrote is kept by the patch: nothing written, same inode and mtime
     port = free_port()
-    ok = spawn(sglang_args(port, good), sglang_env(DOUBLE_RECORD_DIR=tmp_path / "rec"), cmd=sglang_cmd())
-    pinned_port = free_port()
-    pinned = spawn(["sglang", *sglang_args(pinned_port, empty, "pinned")], base_env())
-    for p, why in zip(bad, ("found 0", "found 2", "truncated")):
-        assert p.wait(5) == 6, p.log()
-        assert why in p.log()
+    ok = spawn(sglang_args(port, table.parent, model=str(ck)),
+               ple_env(DOUBLE_RECORD_DIR=tmp_path / "rec"), cmd=sglang_cmd())
     wait_health(port, 200, 10, ok)
-    assert "655360 bytes" in ok.log() and "read-only" in ok.log()
-    assert "The server is fired up and ready to roll!" in ok.log()
-    wait_health(pinned_port, 200, 10, pinned)
-
+    assert f"file-backed mmap {table}" in ok.log()
+    assert "PLE table kept" in ok.log() and "0 bytes written" in ok.log(), ok.log()
+    assert table.read_bytes() == want and (table.stat().st_ino, table.stat().st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
     status, body = request(port, "GET", "/get_model_info")
-    assert status == 200 and json.loads(body)["model_path"] == "/models/Qwen3.8-Flash-Next-NVFP4"
-    assert request(port, "GET", "/health_generate")[0] == 200
-    status, body = request(port, "GET", "/v1/models")
-    assert json.loads(body)["data"][0]["id"] == "qwen3.8-flash-next"
+    assert status == 200 and json.loads(body)["model_path"] == str(ck)
     out = stream_chat(port, {**COUNT, "model": "qwen3.8-flash-next"})
     assert out["text"] == "1, 2, 3, 4, 5, 6, 7, 8, 9, 10"
-    assert "sglang:num_running_reqs" in request(port, "GET", "/metrics")[1].decode()
     record = json.loads((tmp_path / "rec" / "argv-sglang-rank0.json").read_text())
     assert record["engine"] == "sglang" and record["argv"][:3] == ["python3", "-m", "sglang.launch_server"]
+
+    # 2. an empty folder: the engine's loader writes the table itself, to the very bytes deployctl writes
+    fresh = tmp_path / "fresh"
+    p2 = spawn(sglang_args(free_port(), fresh, model=str(ck)), ple_env(), cmd=sglang_cmd())
+    p2.wait_log("PLE table written by the loader", 10)
+    assert "does not exist" not in p2.log()          # the file exists once allocated: no manifest
+    assert "no deployctl manifest" in p2.log()
+    assert (fresh / table.name).read_bytes() == want
+    # 3. upstream without the patch package rewrites even a valid table (the 55-minute restarts)
+    p3 = spawn(sglang_args(free_port(), table.parent, model=str(ck)), sglang_env(), cmd=sglang_cmd())
+    p3.wait_log("PLE table written by the loader: no patch package", 10)
+    assert table.read_bytes() == want and table.stat().st_mtime_ns != st.st_mtime_ns
+
+
+def test_sglang_ple_contract_failures(spawn, tmp_path, qwen_ckpt):
+    ck, table = qwen_ckpt
+    # --ple-offload-backend file without --ple-offload-embedding: upstream's ValueError
+    p = spawn(sglang_args(free_port(), table.parent, model=str(ck), embedding=False), ple_env(), cmd=sglang_cmd())
+    assert p.wait(5) == 6 and "requires --ple-offload-embedding" in p.log()
+    # a table touched after deployctl wrote it is rewritten by the loader (never trusted)
+    os.utime(table, ns=(table.stat().st_atime_ns, table.stat().st_mtime_ns + 10**9))
+    p = spawn(sglang_args(free_port(), table.parent, model=str(ck)), ple_env(), cmd=sglang_cmd())
+    p.wait_log("PLE table written by the loader: ", 10)
+    assert "modified or replaced after deployctl wrote it" in p.log()
+    # pinned: no file at all
+    pinned_port = free_port()
+    empty = tmp_path / "none"
+    pinned = spawn(["sglang", *sglang_args(pinned_port, empty, "pinned", model=str(ck))], base_env())
+    wait_health(pinned_port, 200, 10, pinned)
+    assert not empty.exists()
+    assert request(pinned_port, "GET", "/health_generate")[0] == 200
 
 
 # ------------------------------------------------------------------------------------------- docker
@@ -581,24 +604,31 @@ def _ensure_base_image() -> None:
 
 
 @pytest.mark.docker
-def test_docker_image(tmp_path):
+def test_docker_image(tmp_path, qwen_ckpt):
     if not Path("/var/run/docker.sock").exists():
         pytest.fail("no local Docker engine on /var/run/docker.sock (start dockerd: .ci/setup does)")
     _ensure_base_image()
-    _docker("build", "-q", "--build-arg", f"BASE={BASE_IMAGE}", "-t", IMAGE, str(DOUBLE_DIR))
+    from tests.double_image import build as build_double     # the double + the image's patch package
+    build_double(IMAGE, BASE_IMAGE)
+    ck, table = qwen_ckpt
+    st = table.stat()
     tag = uuid.uuid4().hex[:8]
     vport, sport = free_port(), free_port()
-    names = [f"dctl-double-test-vllm-{tag}", f"dctl-double-test-sglang-{tag}"]
-    ple = tmp_path / "ple"
-    ple.mkdir()
-    (ple / "ple_table_16x160_fp8_2560B.bin").write_bytes(b"\0" * 2560)
+    names = [f"dctl-double-test-vllm-{tag}", f"dctl-double-test-sglang-{tag}", f"dctl-double-test-ro-{tag}"]
+    mounts = ["-v", f"{ck}:/model:ro", "-e", "SGLANG_EXTERNAL_MODEL_PACKAGE=deployctl_sglang_ple"]
     try:
         _docker("run", "-d", "--name", names[0], "--network", "host", "-e", "DOUBLE_LOAD_S=0.3",
                 "-e", "DOUBLE_TTFT_MS=20", IMAGE, *vllm_args(vport, "deepseek-v4.1-flash",
                                                             "--distributed-executor-backend", "mp"), timeout=60)
         _docker("run", "-d", "--name", names[1], "--network", "host", "-e", "DOUBLE_LOAD_S=0.3",
-                "-v", f"{ple}:/ple:ro", IMAGE, "python3", "-m", "sglang.launch_server",
-                *sglang_args(sport, Path("/ple")), timeout=60)
+                *mounts, "-v", f"{table.parent}:/ple:rw", IMAGE, "python3", "-m", "sglang.launch_server",
+                *sglang_args(sport, Path("/ple"), model="/model"), timeout=60)
+        # SGLang maps the table read-write (torch.from_file(shared=True)): a read-only mount fails
+        _docker("run", "--name", names[2], "--network", "host", *mounts, "-v", f"{table.parent}:/ple:ro",
+                IMAGE, "python3", "-m", "sglang.launch_server", *sglang_args(free_port(), Path("/ple"), model="/model"),
+                timeout=60, check=False)
+        ro = _docker("logs", names[2], check=False)
+        assert "cannot map /ple/" in ro.stdout + ro.stderr and "Read-only file system" in ro.stdout + ro.stderr
         for port, name in ((vport, names[0]), (sport, names[1])):
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and health(port) != 200:
@@ -611,7 +641,8 @@ def test_docker_image(tmp_path):
         assert out["text"] == "1, 2, 3, 4, 5, 6, 7, 8, 9, 10"
         logs = _docker("logs", names[0], check=False)
         assert "Loading weights: 40%" in logs.stdout and "Application startup complete." in logs.stdout
-        assert "2560 bytes" in _docker("logs", names[1], check=False).stdout
+        assert "PLE table kept" in _docker("logs", names[1], check=False).stdout
+        assert (table.stat().st_ino, table.stat().st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
         # docker stop: the double handles SIGTERM as PID 1 (no 10 s kill timeout)
         t0 = time.monotonic()
         _docker("stop", "-t", "10", names[0], timeout=30)

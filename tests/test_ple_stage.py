@@ -21,14 +21,17 @@ from orchestrator.tables.geometry import total_rows
 from tests import synth
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ("ple.geometry.vocab_per_order=[97,101]", "ple.geometry.row_values=16", "ple.shards=4")
+SMALL = ("ple.geometry.vocab_per_order=[97,101]", "ple.geometry.row_values=16", "ple.shards=4",
+         "ple.split_ngram_parts=4")
 
 
 def test_plan_spark_names_the_file_and_rtx_writes_none():
     st = build_plan(load_deployment(REPO / "inventories/spark1.yml"), only=("write-ple",)).stage("write-ple")
     (a,) = st.actions
-    assert a.details["file"].endswith("/ple/ple_table_320001446x160_F8_E4M3_51200231360B.bin")
-    assert a.command[:4] == ("timeout", "-k", "30", str(600 + 51_200_231_360 // 20_000_000))
+    # the name the released SGLang maps (sglang/srt/models/qwen4_exp_ple_table.py ple_table_file_name)
+    assert a.details["file"].endswith(
+        "/ple/ple_table_320001536x160_float8_e4m3fn_51200245760B_rows0-320001536.bin")
+    assert a.command[:4] == ("timeout", "-k", "30", str(600 + 51_200_245_760 // 20_000_000))
     assert a.command[6:8] == ("ple-write", "--spec") and "--checkpoint" in a.command
     assert a.details["playbook"] == "playbooks/write-ple.yml"
     st = build_plan(load_deployment(REPO / "inventories/rtx1.yml"), only=("write-ple",)).stage("write-ple")
@@ -51,12 +54,16 @@ def test_spec_round_trips_through_the_op_parser():
 def small_checkpoint(folder: Path, sets=SMALL, recipe="qwen38-flash-next-spark") -> list[synth.TensorPlan]:
     r = load_recipe(recipe, sets).recipe
     plans = [t for t in synth.recipe_tensors(r) if ".ple." in t.name]
-    synth.write_checkpoint(folder, plans, files=3)
+    synth.write_checkpoint(folder, plans, files=3, config=synth.recipe_config(r))
     return plans
 
 
 def table_bytes(plans) -> bytes:
-    return b"".join(synth.expected_row(t.name, i, t.width) for t in plans for i in range(t.rows))
+    """The tiled shards (synth.ple_shard_rows), then zero rows up to the padded row count."""
+    rows = sum(t.rows for t in plans)
+    padded = -(-(-(-rows // 128) * 128) // 64) * 64
+    data = b"".join(synth.expected_row(t.name, i, t.width) for t in plans for i in range(t.rows))
+    return data + bytes((padded - rows) * plans[0].width)
 
 
 def test_cli_write_then_keep_json(tmp_path):
@@ -76,7 +83,8 @@ def test_cli_write_bad_input_exits_2(tmp_path):
     small_checkpoint(tmp_path / "ck")
     r = CliRunner().invoke(cli, ["ple", "write", "--checkpoint", str(tmp_path / "ck"), "--dest",
                                  str(tmp_path / "ple"), "--set", "ple.geometry.vocab_per_order=[97,101]",
-                                 "--set", "ple.geometry.row_values=16", "--set", "ple.shards=5"])
+                                 "--set", "ple.geometry.row_values=16", "--set", "ple.shards=5",
+                                 "--set", "ple.split_ngram_parts=4"])
     assert r.exit_code == 2
     assert "shard 4" in r.output and "missing" in r.output
 
@@ -91,7 +99,7 @@ def test_cli_spec_and_vars(tmp_path):
     v = json.loads(r.output)
     assert v["tables_pyz"] == str(pyz) and set(v["ple_hosts"]) == {"spark1"}
     job = v["ple_hosts"]["spark1"]
-    assert job["argv"][4:7] == ["python3", job["pyz"], "ple-write"] and job["timeout_s"] == 3160
+    assert job["argv"][4:7] == ["python3", job["pyz"], "ple-write"] and job["timeout_s"] == 600 + 51_200_245_760 // 20_000_000
 
 
 # -- through Ansible on a test-cluster host ------------------------------------------------------
@@ -137,7 +145,7 @@ def test_stage_writes_then_keeps_through_ansible(cluster, tmp_path):
     f = Path(res["data"]["file"])
     assert f.parent == dest and f.read_bytes() == table_bytes(plans)
     assert [x.name for x in dest.glob("ple_table_*.bin")] == [f.name]       # the stale one is gone
-    assert (dest / P.MANIFEST_NAME).exists()
+    assert (dest / P.manifest_name(f.name)).exists()
     st = f.stat()
 
     p = deployctl("ple", "-i", str(inv), *sets, "--json")

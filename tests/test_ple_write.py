@@ -1,8 +1,10 @@
 """The host-side PLE table writer (orchestrator/tables/ple_write.py), on synthetic checkpoints.
 
-16 shards of uneven sizes over 5 safetensors files, tiny vocabularies (97/101 per order), width 160;
-small checksum chunks so shards straddle chunk boundaries. Every byte of the written file is
-checked against tests/synth.py's independent row function.
+16 shards over 5 safetensors files, tiny vocabularies (97/101 per order: 2,124 rows, padded to 2,176),
+width 160; the shards are cut as an exporter that splits the real rows would cut them (133 rows each),
+so the released SGLang's placement (shard i at row i x ceil(2,176 / 16) = 136 i) leaves zero gaps
+between them. Small checksum chunks so shards straddle chunk boundaries. Every byte of the written
+file is checked against tests/synth.py's independent row function and an independent placement.
 """
 from __future__ import annotations
 
@@ -26,31 +28,48 @@ CHUNK = 8192                      # 51.2 rows of 160 B: chunks and shards never 
 
 
 def spec_doc(shards: int = 16, vocab=(97, 101), width: int = 160, placement: str = "nvme",
-             **extra) -> dict:
+             tp: int = 1, ranks=(0,), split: int | None = None, **extra) -> dict:
     return {"format": P.SPEC_FORMAT, "placement": placement,
             "geometry": {"layers": [2], "orders": [2, 3], "heads_per_order": 8,
                          "vocab_per_order": list(vocab), "row_values": width, "dtype": "F8_E4M3"},
-            "shard_tensor": TENSOR, "shards": shards,
-            "file_pattern": "ple_table_{rows}x{width}_{dtype}_{bytes}B.bin", "min_host_ram_gb": 64,
-            "recipe": {"name": "test", "digest": "0"}, **extra}
+            "shard_tensor": TENSOR, "shards": shards, "tp": tp, "ranks": list(ranks),
+            "engine_config": {"make_ngram_vocab_size_divisible_by": 128,
+                              "split_ngram_parts": split or shards},
+            "min_host_ram_gb": 64, "recipe": {"name": "test", "digest": "0"}, **extra}
 
 
-def shard_plans(rows: int, shards: int, width: int = 160, seed: int = 7) -> list[TensorPlan]:
-    cuts = sorted(random.Random(seed).sample(range(1, rows), shards - 1))
-    bounds = [0, *cuts, rows]
-    return [TensorPlan(TENSOR.format(layer=2, shard=i), "F8_E4M3", bounds[i + 1] - bounds[i], width)
+def config_of(doc: dict) -> dict:
+    """The checkpoint's config.json (text_config) matching a spec document."""
+    return {"text_config": dict(doc["engine_config"], ple_embedding_dtype="float8_e4m3fn")}
+
+
+def shard_plans(rows: int, shards: int, width: int = 160) -> list[TensorPlan]:
+    """An exporter's cut of the real rows: ceil(rows / shards) per shard, the last the rest."""
+    per = -(-rows // shards)
+    return [TensorPlan(TENSOR.format(layer=2, shard=i), "F8_E4M3", max(0, min(per, rows - i * per)), width)
             for i in range(shards)]
 
 
-def expected_bytes(plans: list[TensorPlan]) -> bytes:
-    return b"".join(expected_row(t.name, r, t.width) for t in plans for r in range(t.rows))
+def expected_bytes(plans: list[TensorPlan], spec=None, rank: int = 0) -> bytes:
+    """The file the engine maps, built independently: padded row count, shard i at i x stride."""
+    spec = spec or P.parse_spec(spec_doc(shards=len(plans)))
+    rows = total_rows(spec.geometry)
+    org = -(-rows // 128) * 128
+    per = -(-org // 64) * 64 // spec.tp
+    stride = -(-org // spec.engine_config["split_ngram_parts"])
+    table = [bytes(160)] * (spec.tp * per)
+    for i, t in enumerate(plans):
+        for r in range(t.rows):
+            table[i * stride + r] = expected_row(t.name, r, t.width)
+    return b"".join(table[rank * per:(rank + 1) * per])
 
 
 @pytest.fixture
 def ckpt(tmp_path):
-    spec = P.parse_spec(spec_doc())
+    doc = spec_doc()
+    spec = P.parse_spec(doc)
     plans = shard_plans(total_rows(spec.geometry), 16)
-    write_checkpoint(tmp_path / "ckpt", plans, files=5)
+    write_checkpoint(tmp_path / "ckpt", plans, files=5, config=config_of(doc))
     return spec, tmp_path / "ckpt", plans
 
 
@@ -93,17 +112,55 @@ def test_every_byte_and_manifest(ckpt, tmp_path):
     out = write(spec, ck, tmp_path / "ple")
     assert out.status == "written", out
     f = Path(out.data["file"])
-    assert f.name == f"ple_table_{rows}x160_F8_E4M3_{rows * 160}B.bin"
-    assert f.read_bytes() == expected_bytes(plans)
-    m = json.loads((tmp_path / "ple" / P.MANIFEST_NAME).read_text())
-    assert (m["rows"], m["row_bytes"], m["dtype"], m["bytes"]) == (rows, 160, "F8_E4M3", rows * 160)
+    # 2,124 rows padded to 2,176 (make_ngram_vocab_size_divisible_by), then to 64: the engine's name
+    assert f.name == "ple_table_2176x160_float8_e4m3fn_348160B_rows0-2176.bin"
     data = f.read_bytes()
-    sums = [__import__("hashlib").sha256(data[i:i + CHUNK]).hexdigest() for i in range(0, len(data), CHUNK)]
+    assert data == expected_bytes(plans)
+    assert data[133 * 160:136 * 160] == bytes(3 * 160)          # the gap after shard 0 stays zero
+    assert data[136 * 160:137 * 160] == expected_row(plans[1].name, 0, 160)   # shard 1 at 1 x 136
+    m = json.loads((tmp_path / "ple" / P.manifest_name(f.name)).read_text())
+    assert (m["layout"]["shape"], m["row_bytes"], m["dtype"], m["bytes"]) == ([2176, 160], 160, "F8_E4M3", 348160)
+    assert m["layout"]["shard_stride"] == 136 and m["layout"]["tag"] == "rows0-2176"
+    spans = [(o, n) for o, n in m["spans"]]
+    assert spans[0] == (0, 133 * 160) and spans[1] == (136 * 160, 133 * 160)
+    stream = b"".join(data[o:o + n] for o, n in spans)
+    sums = [__import__("hashlib").sha256(stream[i:i + CHUNK]).hexdigest() for i in range(0, len(stream), CHUNK)]
     assert m["checksum"] == {"scheme": "sha256", "chunk_bytes": CHUNK, "chunks": sums}
     assert [x["name"] for x in m["source"]["files"]] == sorted({p.name for p in ck.glob("*.safetensors")})
     assert m["recipe"] == {"name": "test", "digest": "0"}
     assert out.data["readback_rows"] >= 2 * 16
-    assert sorted(os.listdir(tmp_path / "ple")) == sorted([f.name, P.MANIFEST_NAME])
+    assert sorted(os.listdir(tmp_path / "ple")) == sorted([f.name, P.manifest_name(f.name)])
+
+
+def test_two_ranks_each_get_their_vocabulary_shard(tmp_path):
+    doc = spec_doc(tp=2, ranks=[0, 1])
+    spec = P.parse_spec(doc)
+    plans = shard_plans(total_rows(spec.geometry), 16)
+    write_checkpoint(tmp_path / "ck", plans, files=3, config=config_of(doc))
+    out = write(spec, tmp_path / "ck", tmp_path / "ple")
+    names = [Path(f).name for f in out.data["files"]]
+    assert names == ["ple_table_1088x160_float8_e4m3fn_174080B_rows0-1088.bin",
+                     "ple_table_1088x160_float8_e4m3fn_174080B_rows1088-2176.bin"]
+    for rank, f in enumerate(out.data["files"]):
+        assert Path(f).read_bytes() == expected_bytes(plans, spec, rank)
+    assert write(spec, tmp_path / "ck", tmp_path / "ple").status == "kept"
+
+
+def test_config_json_must_agree_with_the_recipe(ckpt, tmp_path):
+    spec, ck, plans = ckpt
+    write_checkpoint(tmp_path / "ck8", plans, files=5, config={"text_config": {"split_ngram_parts": 8}})
+    rc, res = run_main(tmp_path, spec_doc(), tmp_path / "ck8", tmp_path / "ple")
+    assert rc == 2
+    assert "split_ngram_parts: config.json has 8, the recipe's ple.split_ngram_parts is 16" in res["error"]
+    assert not (tmp_path / "ple").exists()
+
+
+def test_shards_that_would_overlap_are_refused(ckpt, tmp_path):
+    spec, ck, plans = ckpt
+    doc = spec_doc(split=32)                       # stride 68 < 133 rows
+    write_checkpoint(tmp_path / "ck32", plans, files=5, config=config_of(doc))
+    rc, res = run_main(tmp_path, doc, tmp_path / "ck32", tmp_path / "ple")
+    assert rc == 2 and "shard 0" in res["error"] and "would overlap the next shard" in res["error"]
 
 
 def test_restart_keeps_the_file_without_reading_it(ckpt, tmp_path, monkeypatch):
@@ -154,10 +211,10 @@ def test_changed_checkpoint_rewrites_by_rename_without_reading_the_old_file(ckpt
     assert out.status == "rewritten" and "checkpoint changed" in out.reason, out
     assert spy.opened(info.file) and not spy.opened(f)   # sources read; the old table never opened
     assert f.stat().st_ino != old_ino              # a new file renamed over it
-    start = sum(p.rows for p in plans[:3]) * 160
+    start = 3 * 136 * 160                         # shard 3 at row 3 x stride
     data = f.read_bytes()
     assert data[start:start + 160] == b"\xAB" * 160
-    assert data[:start] == expected_bytes(plans[:3])
+    assert data[:start] == expected_bytes(plans)[:start]
 
 
 def test_stale_tables_and_temp_files_are_removed_after_the_new_one(ckpt, tmp_path):
@@ -181,13 +238,14 @@ def test_other_geometry_replaces_the_table(ckpt, tmp_path):
     dest = tmp_path / "ple"
     old = Path(write(spec, ck, dest).data["file"])
     # same shards regrouped: 8 shards over another checkpoint with another vocabulary
-    spec2 = P.parse_spec(spec_doc(shards=8, vocab=(211, 223)))
-    plans2 = shard_plans(total_rows(spec2.geometry), 8, seed=3)
-    write_checkpoint(tmp_path / "ck2", plans2, files=3)
+    doc2 = spec_doc(shards=8, vocab=(211, 223))
+    spec2 = P.parse_spec(doc2)
+    plans2 = shard_plans(total_rows(spec2.geometry), 8)
+    write_checkpoint(tmp_path / "ck2", plans2, files=3, config=config_of(doc2))
     out = write(spec2, tmp_path / "ck2", dest)
-    assert out.status == "written" and "another geometry" in out.reason
-    assert out.data["removed"] == [old.name] and not old.exists()
-    assert Path(out.data["file"]).read_bytes() == expected_bytes(plans2)
+    assert out.status == "written" and "no manifest" in out.reason
+    assert sorted(out.data["removed"]) == sorted([old.name, P.manifest_name(old.name)]) and not old.exists()
+    assert Path(out.data["file"]).read_bytes() == expected_bytes(plans2, spec2)
 
 
 def test_verify_finds_a_corrupted_byte_and_rewrites(ckpt, tmp_path):
@@ -206,7 +264,7 @@ def test_verify_finds_a_corrupted_byte_and_rewrites(ckpt, tmp_path):
     assert write(spec, ck, dest).status == "kept"          # the cheap check cannot see it
     out = write(spec, ck, dest, verify=True)
     assert out.status == "rewritten", out
-    assert "--verify: chunk 2 (bytes 16384..24576)" in out.reason
+    assert "--verify: chunk 2 of the written ranges" in out.reason
     assert f.read_bytes() == expected_bytes(plans)
 
 
@@ -235,14 +293,14 @@ def test_enospc_leaves_no_table_and_no_manifest(ckpt, small_fs):
         dest = small / "ple"
         with pytest.raises(P.WriteFailed) as e:
             write(spec, ck, dest, prealloc=prealloc)
-        assert "no space left" in str(e.value) and "339,840 bytes" in str(e.value)
+        assert "no space left" in str(e.value) and "348,160 bytes" in str(e.value)
         assert os.listdir(dest) == [], (prealloc, os.listdir(dest))
 
 
 def test_old_table_removed_first_when_both_do_not_fit(ckpt, small_fs):
     spec, ck, plans = ckpt
     dest = small_fs(520) / "ple"
-    f = Path(write(spec, ck, dest).data["file"])          # 339,840 bytes: two do not fit
+    f = Path(write(spec, ck, dest).data["file"])          # 348,160 bytes: two do not fit
     os.utime(next(ck.glob("*.safetensors")))              # a new checkpoint revision
     out = write(spec, ck, dest)
     assert out.status == "rewritten" and out.data["removed"] == [f.name], out
@@ -251,7 +309,7 @@ def test_old_table_removed_first_when_both_do_not_fit(ckpt, small_fs):
 
 def test_missing_shard_is_named(ckpt, tmp_path):
     spec, ck, plans = ckpt
-    write_checkpoint(tmp_path / "ck15", plans[:5] + plans[6:], files=4)
+    write_checkpoint(tmp_path / "ck15", plans[:5] + plans[6:], files=4, config=config_of(spec_doc()))
     rc, res = run_main(tmp_path, spec_doc(), tmp_path / "ck15", tmp_path / "ple")
     assert rc == 2 and res["status"] == "failed"
     assert "1 of 16 PLE shard tensors missing: shard 5" in res["error"]
@@ -263,7 +321,7 @@ def test_wrong_width_is_named(ckpt, tmp_path):
     spec, ck, plans = ckpt
     bad = list(plans)
     bad[9] = TensorPlan(plans[9].name, "F8_E4M3", plans[9].rows, 128)
-    write_checkpoint(tmp_path / "ckw", bad, files=5)
+    write_checkpoint(tmp_path / "ckw", bad, files=5, config=config_of(spec_doc()))
     rc, res = run_main(tmp_path, spec_doc(), tmp_path / "ckw", tmp_path / "ple")
     assert rc == 2
     assert "shard 9" in res["error"] and "width 128" in res["error"] and "row_values is 160" in res["error"]
@@ -273,7 +331,7 @@ def test_row_total_mismatch_names_both_figures(ckpt, tmp_path):
     spec, ck, plans = ckpt
     short = list(plans)
     short[15] = TensorPlan(plans[15].name, "F8_E4M3", plans[15].rows - 3, 160)
-    write_checkpoint(tmp_path / "cks", short, files=5)
+    write_checkpoint(tmp_path / "cks", short, files=5, config=config_of(spec_doc()))
     rc, res = run_main(tmp_path, spec_doc(), tmp_path / "cks", tmp_path / "ple")
     assert rc == 2
     assert "hold 2,121 rows" in res["error"] and "geometry has 2,124 rows" in res["error"]
@@ -306,8 +364,12 @@ def test_one_writer_per_folder(ckpt, tmp_path):
 def test_spec_errors_name_the_key(tmp_path):
     with pytest.raises(InputError, match="shard_tensor.*needs \\{shard\\}"):
         P.parse_spec(spec_doc(shard_tensor="a.{layer}.weight"))
-    with pytest.raises(InputError, match="file_pattern.*unknown placeholder \\{dims\\}"):
-        P.parse_spec(spec_doc(file_pattern="ple_table_{dims}.bin"))
+    with pytest.raises(InputError, match="ranks.*distinct ranks in 0..0"):
+        P.parse_spec(spec_doc(ranks=[1]))
+    with pytest.raises(InputError, match="engine_config.split_ngram_parts.*missing"):
+        d = spec_doc()
+        del d["engine_config"]["split_ngram_parts"]
+        P.parse_spec(d)
     with pytest.raises(InputError, match="geometry.layers.*one layer"):
         d = spec_doc()
         d["geometry"]["layers"] = [1, 2]
@@ -362,6 +424,8 @@ def test_chunks_cut_across_segments():
 
 def test_geometry_of_the_real_recipe():
     g = TableGeometry((2,), (2, 3), 8, (20_000_000, 20_000_000), 160)
-    spec = P.parse_spec(spec_doc(vocab=(20_000_000, 20_000_000)))
+    spec = P.parse_spec(spec_doc(vocab=(20_000_000, 20_000_000), shards=128))
     assert total_rows(g) == 320_001_446
-    assert spec.file_name(total_rows(g)) == "ple_table_320001446x160_F8_E4M3_51200231360B.bin"
+    (t,) = spec.tables()
+    assert t.file_name == "ple_table_320001536x160_float8_e4m3fn_51200245760B_rows0-320001536.bin"
+    assert t.shard_stride == 2_500_012

@@ -39,7 +39,9 @@ if ple:
     out["ple"] = {"dir": ple,
                   "tables": [[os.path.basename(p), os.path.getsize(p)]
                              for p in sorted(glob.glob(os.path.join(ple, "ple_table_*.bin")))],
-                  "manifest": os.path.exists(os.path.join(ple, "deployctl-ple-manifest.json"))}
+                  # every table has its own manifest beside it (tables/ple_write.py MANIFEST_SUFFIX)
+                  "manifest": all(os.path.exists(p + ".deployctl-manifest.json")
+                                  for p in glob.glob(os.path.join(ple, "ple_table_*.bin")))}
 print(json.dumps(out))
 """
 

@@ -14,6 +14,7 @@ import jinja2
 from ..deployment import Deployment
 from ..errors import InputError
 from ..inventory import Host
+from ..recipe import PleSpec
 from ..paths import RECIPES_DIR
 from .fabric import Fabric, fabric_env
 
@@ -54,7 +55,8 @@ class ContainerSpec:
     gpus: bool                            # request all GPUs (--gpus all)
     rdma_devices: bool                    # pass /dev/infiniband
     fabric_note: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)   # docker run resource options: memory, memory-swap
+    start: dict[str, Any] = field(default_factory=dict)     # place in the start order (start_sequence); not in the digest
 
     @property
     def digest(self) -> str:
@@ -68,6 +70,9 @@ class ContainerSpec:
         """The equivalent `docker run` command line (shown in plans and runbooks)."""
         a = ["docker", "run", "-d", "--name", self.name, "--network", "host", "--ipc", "host",
              "--shm-size", self.shm_size]
+        for opt in ("memory", "memory-swap"):
+            if self.options.get(opt):
+                a += [f"--{opt}", str(self.options[opt])]
         if self.gpus or self.rdma_devices:
             # pinned memory (CUDA host buffers, RDMA registration); raising the hard limit needs
             # CAP_SYS_RESOURCE, which a GPU-less host (the test cluster) may not grant
@@ -89,7 +94,8 @@ class ContainerSpec:
         return {"name": self.name, "image": self.image, "argv": list(self.argv), "env": self.env,
                 "mounts": [list(m) for m in self.mounts], "labels": self.labels,
                 "shm_size": self.shm_size, "gpus": self.gpus, "rdma_devices": self.rdma_devices,
-                "digest": self.digest, "fabric": self.fabric_note,
+                "digest": self.digest, "fabric": self.fabric_note, "options": self.options,
+                "start": self.start,
                 "docker_run": self.docker_run_argv()}
 
 
@@ -129,6 +135,19 @@ def model_path(dep: Deployment, host: Host) -> str:
     return f"{MODEL_MOUNT}/{inner}" if inner else MODEL_MOUNT
 
 
+def ple_env(ple: PleSpec | None) -> dict[str, str]:
+    """SGLang's environment for the file-backed PLE table (sglang/srt/environ.py names):
+    the mapping's resident-set budget (qwen4_exp_ple_table.py make_ple_file_rss_trimmer, GiB),
+    and the external model package that keeps a table deployctl wrote and checked instead of
+    rewriting it at every boot (dockerfiles/sglang-qwen38/patches/deployctl_sglang_ple)."""
+    if ple is None or ple.placement != "nvme":
+        return {}
+    env = {"SGLANG_QWEN4_PLE_FILE_RSS_BUDGET_GB": f"{ple.page_cache_budget_gib:g}"}
+    if ple.prewritten_package:
+        env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = ple.prewritten_package
+    return env
+
+
 def engine_argv(dep: Deployment, host: Host, master_addr: str) -> tuple[str, ...]:
     r, e = dep.recipe, dep.recipe.engine
     ple = r.ple
@@ -154,11 +173,14 @@ def container_spec(dep: Deployment, host: Host, fabric: Fabric | None,
     env.update(e.env)
     if r.engram and r.engram.placement == "nvme":
         env.update(r.engram.nvme_env)
+        if r.engram.local_dir_env:   # the rank's staged rows (docs/engram-contract.md): the mount below
+            env[r.engram.local_dir_env] = ENGRAM_MOUNT
+    env.update(ple_env(r.ple))
     note = ""
     multi = r.parallelism.nodes > 1
     if multi:
         if fabric:
-            env.update(fabric_env(fabric))
+            env.update(fabric_env(fabric, e.nccl_roce_env))
             note = fabric.reason
         else:
             note = ("fabric detected at launch (ConnectX-7 netdev, RoCE devices); "
@@ -167,16 +189,42 @@ def container_spec(dep: Deployment, host: Host, fabric: Fabric | None,
     if r.engram and r.engram.placement == "nvme":
         mounts.append((dep.engram_dir(host), ENGRAM_MOUNT, "ro"))
     if r.ple and r.ple.placement == "nvme":
-        mounts.append((dep.ple_dir(host), PLE_MOUNT, "ro"))
+        # read-write: SGLang maps the table with torch.from_file(shared=True) (qwen4_exp_ple_table.py
+        # allocate_ple_host_table), which fails with EROFS on a read-only mount
+        mounts.append((dep.ple_dir(host), PLE_MOUNT, "rw"))
+    if e.cache_dir:      # kernel/compile/Hub caches on the host: they survive container restarts
+        mounts.append((e.cache_dir, e.cache_mount, "rw"))
+    options = {k: v for k, v in (("memory", e.memory_limit), ("memory-swap", e.memory_swap)) if v}
     labels = {LABEL: dep.name, "deployctl.rank": str(host.rank), "deployctl.recipe": r.name,
               "deployctl.role": "head" if host.name == head.name else "worker"}
     spec = ContainerSpec(
         host=host.name, rank=host.rank, name=e.container_name or f"deployctl-{dep.name}",
         image=e.image, argv=engine_argv(dep, host, master), env=env, mounts=tuple(mounts),
         labels=labels, shm_size=e.shm_size, gpus=host.gpus > 0 and host.expect_gpus,
-        rdma_devices=bool(fabric and fabric.hcas), fabric_note=note)
+        rdma_devices=bool(fabric and fabric.hcas), fabric_note=note, options=options,
+        start=start_step(dep, host.name))
     # The digest covers everything but the labels, so it can be one of them.
     return replace(spec, labels={**labels, SPEC_LABEL: spec.digest})
+
+
+def start_sequence(dep: Deployment) -> list[tuple[str, ...]]:
+    """The hosts in start order: groups started one after another (a group's hosts in parallel).
+    head-first: the head, then every worker. workers-first (boot 10's launch/boot_dsv41.sh): each
+    worker alone in descending rank, then (after engine.start_wait_s) the head."""
+    c, e = dep.cluster, dep.recipe.engine
+    workers = [h.name for h in sorted(c.workers, key=lambda h: -h.rank)]
+    if e.start_order == "workers-first" and workers:
+        return [(n,) for n in workers] + [(c.head,)]
+    return [(c.head,)] + ([tuple(h.name for h in c.workers)] if workers else [])
+
+
+def start_step(dep: Deployment, host: str) -> dict[str, Any]:
+    """HOST's place in start_sequence (shown in plans and dry runs)."""
+    seq = start_sequence(dep)
+    step = next(i for i, g in enumerate(seq) if host in g)
+    wait = dep.recipe.engine.start_wait_s if (host == dep.cluster.head and step > 0) else 0.0
+    return {"order": dep.recipe.engine.start_order, "step": step + 1, "of": len(seq),
+            "after": [n for g in seq[:step] for n in g], "wait_before_s": wait}
 
 
 def env_references(env: dict[str, str]) -> list[str]:

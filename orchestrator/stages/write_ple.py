@@ -20,7 +20,6 @@ from typing import Any
 from ..plan import Action
 from ..recipe import Recipe, digest_of
 from ..tables.ple_write import SPEC_FORMAT, parse_spec
-from ..tables.geometry import total_rows
 from .base import HostFailure, HostResult, Stage, run_per_host
 from .hostcheck import Probe, already_done, with_stdin_spec
 from .stage_engram import PYZ_NAME, WORK_SUBDIR, host_python   # the same zipapp, folder, python
@@ -43,7 +42,12 @@ def spec_for(recipe: Recipe) -> dict[str, Any]:
            "geometry": {"layers": list(g.layers), "orders": list(g.orders),
                         "heads_per_order": g.heads_per_order, "vocab_per_order": list(g.vocab_per_order),
                         "row_values": g.row_values, "dtype": g.dtype},
-           "shard_tensor": p.shard_tensor, "shards": p.shards, "file_pattern": p.file_pattern,
+           "shard_tensor": p.shard_tensor, "shards": p.shards,
+           # SGLang TP runs on one host: every rank's file is on it (ple_layout.rank_table)
+           "tp": recipe.parallelism.tensor_parallel,
+           "ranks": list(range(recipe.parallelism.tensor_parallel)),
+           "engine_config": {"make_ngram_vocab_size_divisible_by": p.make_ngram_vocab_size_divisible_by,
+                             "split_ngram_parts": p.split_ngram_parts},
            "min_host_ram_gb": p.min_host_ram_gb,
            "recipe": {"name": recipe.name, "digest": recipe.digest}}
     parse_spec(doc, f"recipe {recipe.name}: ple")      # the op's own checks, at plan time
@@ -59,8 +63,7 @@ def host_job(dep, host, spec: dict[str, Any], verify: bool = False) -> dict[str,
     nbytes = 0
     if spec["placement"] == "nvme":
         op += ["--checkpoint", dep.checkpoint_dir(host), "--dest", dep.ple_dir(host)]
-        table = parse_spec(spec)
-        nbytes = total_rows(table.geometry) * table.row_bytes
+        nbytes = sum(t.nbytes for t in parse_spec(spec).tables())
     if verify:
         op.append("--verify")
     timeout_s = int(BASE_TIMEOUT_S + nbytes * (2 if verify else 1) / MIN_RATE)
@@ -92,12 +95,13 @@ def plan(dep):
                        f"MemAvailable >= {p.min_host_ram_gb:g} GB (ple.min_host_ram_gb)")
             details = {"placement": "pinned", "min_host_ram_gb": p.min_host_ram_gb}
         else:
-            rows = total_rows(p.geometry)
-            name = table.file_name(rows)
-            summary = (f"write {name} ({rows * table.row_bytes / 1e9:.1f} GB) to {dep.ple_dir(h)} "
-                       "unless the one there is still valid")
-            details = {"placement": "nvme", "file": str(PurePosixPath(dep.ple_dir(h)) / name),
-                       "rows": rows, "row_bytes": table.row_bytes,
+            tables = table.tables()
+            names = ", ".join(t.file_name for t in tables)
+            summary = (f"write {names} ({sum(t.nbytes for t in tables) / 1e9:.1f} GB, the file SGLang "
+                       f"maps) to {dep.ple_dir(h)} unless the one there is still valid")
+            details = {"placement": "nvme", "file": str(PurePosixPath(dep.ple_dir(h)) / tables[0].file_name),
+                       "files": [str(PurePosixPath(dep.ple_dir(h)) / t.file_name) for t in tables],
+                       "layout": [t.to_json() for t in tables], "row_bytes": table.row_bytes,
                        "checkpoint": dep.checkpoint_dir(h), "dest": dep.ple_dir(h)}
         acts.append(Action(STAGE_NAME, h.name, "ansible-playbook", summary, command=tuple(job["argv"]),
                            details={**details, "playbook": f"playbooks/{PLAYBOOK}"},

@@ -1,44 +1,55 @@
-"""ple-write: Qwen's n-gram ("PLE") table as the one memory-mapped file SGLang expects.
+"""ple-write: Qwen's n-gram ("PLE") table as the very file SGLang maps, written once.
 
     python3 deployctl-tables-*.pyz ple-write --spec spec.json --checkpoint DIR --dest DIR
-                                             [--verify] [--host NAME] [--no-preallocate]
+                                             [--verify] [--check] [--host NAME] [--no-preallocate]
 
-Runs on the host (standard library only). The shard tensors
-(`shard_tensor` with {layer}, {shard} = 0..shards-1) are concatenated in shard order into one
-row-major file named by `file_pattern` ({rows}, {width}, {dtype}, {bytes} = whole file size),
-then a manifest `deployctl-ple-manifest.json` is written last:
+Runs on the host (standard library only). For each TP rank the spec lists, the file the released
+SGLang maps from `--ple-offload-dir` (name, shape, rank shard and the row every checkpoint shard
+lands on: tables/ple_layout.py, which cites the upstream functions) is written from the shard tensors
+(`shard_tensor` with {layer}, {shard} = 0..shards-1); rows no shard covers stay zero (holes). Beside
+each table its manifest `<table>.deployctl-manifest.json` is written last:
 
-    {"format": "deployctl-ple-manifest/1", "file": NAME, "rows", "row_bytes", "width", "dtype",
-     "bytes", "checksum": {"scheme": "sha256", "chunk_bytes", "chunks": [hex, ...]},
+    {"format": "deployctl-ple-manifest/2", "file": NAME, "bytes", "row_bytes", "width", "dtype",
+     "layout": RankTable.to_json(), "spans": [[offset, length], ...] (the written byte ranges),
+     "checksum": {"scheme": "sha256", "chunk_bytes", "chunks": [hex, ...]} (over the spans, in order),
      "source": {"checkpoint", "files": [Checkpoint.identity ...], "tensors": [...]},
-     "table_key": digest of (geometry, tensor names, file name, source identity),
+     "table_key": digest of (layout, tensor names, source identity),
      "stat": {"ino", "mtime_ns", "size"}, "recipe": {"name", "digest"}, "spec": {...}, "written": {...}}
+
+The image's SGLang patch (dockerfiles/sglang-qwen38/patches/deployctl_sglang_ple) reads that manifest
+to skip the engine's own boot-time rewrite of a table deployctl wrote and checked.
 
 Restart: when the manifest's table_key equals the current one and the file's size, inode and
 mtime are the ones recorded, the file is kept without reading it (a no-op with the reason);
 `--verify` re-hashes it against the manifest (and rewrites it on a mismatch). Otherwise a new
-temp file is written and renamed over the old one (never read-modify-write), other
-`ple_table_*.bin` files of another geometry are removed afterwards, and the manifest comes last.
+temp file is written and renamed over the old one (never read-modify-write); `ple_table_*.bin`
+files that are not one of the spec's tables (another geometry, an older deployctl's name) are
+removed afterwards, with their manifests.
 
 Placement `pinned` writes no file: the op checks the host's MemAvailable against
 `min_host_ram_gb` instead (`pinned_ram_verdict`, also used by preflight).
 
 The spec (written by `deployctl`, see orchestrator/stages/write_ple.py `spec_for`):
 
-    {"format": "deployctl-ple-spec/1", "placement": "nvme" | "pinned" | ...,
+    {"format": "deployctl-ple-spec/2", "placement": "nvme" | "pinned" | ...,
      "geometry": {"layers": [2], "orders": [2, 3], "heads_per_order": 8,
                   "vocab_per_order": [20000000, 20000000], "row_values": 160, "dtype": "F8_E4M3"},
      "shard_tensor": "model.language_model.layers.{layer}....shard_{shard}.weight", "shards": 128,
-     "file_pattern": "ple_table_{rows}x{width}_{dtype}_{bytes}B.bin", "min_host_ram_gb": 64.0,
-     "recipe": {"name": ..., "digest": ...}}
+     "tp": 1, "ranks": [0],
+     "engine_config": {"make_ngram_vocab_size_divisible_by": 128, "split_ngram_parts": 128},
+     "min_host_ram_gb": 64.0, "recipe": {"name": ..., "digest": ...}}
+
+`engine_config` must equal the checkpoint's config.json (text_config): the recipe's values name the
+file at plan time, the checkpoint's are what the engine uses; a difference is bad input.
 
 Prints one JSON object as its last stdout line. Exit 0 written / kept / pinned ok, 1 failed
 (I/O, no space, read-back mismatch, not enough RAM), 2 bad input (missing shard, wrong width,
-row total different from the geometry's).
+row total different from the geometry's, shards that overlap under split_ngram_parts).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import fcntl
 import glob
@@ -59,12 +70,13 @@ from ..errors import DeployctlError, InputError
 from ..fsutil import atomic_write_text, fsync_dir
 from . import bulkcopy
 from .geometry import TableGeometry, total_rows
+from .ple_layout import CONFIG_KEYS, RankTable, check_engine_config, engine_config, rank_table
 from .safetensors import DTYPE_BYTES, Checkpoint
 
-SPEC_FORMAT = "deployctl-ple-spec/1"
-MANIFEST_FORMAT = "deployctl-ple-manifest/1"
-MANIFEST_NAME = "deployctl-ple-manifest.json"
-PATTERN_FIELDS = ("rows", "width", "dtype", "bytes")
+SPEC_FORMAT = "deployctl-ple-spec/2"
+MANIFEST_FORMAT = "deployctl-ple-manifest/2"
+MANIFEST_SUFFIX = ".deployctl-manifest.json"   # beside each table: <table>.deployctl-manifest.json
+TABLE_GLOB = "ple_table_*.bin"                 # every name ple_table_file_name can produce
 RANDOM_SAMPLES = 64
 
 
@@ -81,7 +93,9 @@ class PleTableSpec:
     geometry: TableGeometry
     shard_tensor: str
     shards: int
-    file_pattern: str
+    tp: int = 1
+    ranks: tuple[int, ...] = (0,)
+    engine_config: dict = field(default_factory=dict)   # make_ngram_vocab_size_divisible_by, split_ngram_parts
     min_host_ram_gb: float = 64.0
     recipe: dict = field(default_factory=dict)
     source: str = "spec"                   # where it came from, for messages
@@ -101,14 +115,12 @@ class PleTableSpec:
     def shard_name(self, i: int) -> str:
         return self.shard_tensor.format(layer=self.layer, shard=i)
 
-    def file_name(self, rows: int) -> str:
-        return self.file_pattern.format(rows=rows, width=self.width, dtype=self.geometry.dtype,
-                                        bytes=rows * self.row_bytes)
-
-    @property
-    def file_glob(self) -> str:
-        """Every file this pattern can produce: the stale tables of other geometries."""
-        return re.sub(r"\{[^}]*\}", "*", self.file_pattern)
+    def tables(self) -> list[RankTable]:
+        """The file of every rank this host writes (ple_layout.py: the engine's own rules)."""
+        rows = total_rows(self.geometry)
+        return [rank_table(rows, self.width, self.geometry.dtype, self.tp, r,
+                           divisible_by=self.engine_config["make_ngram_vocab_size_divisible_by"],
+                           split_parts=self.engine_config["split_ngram_parts"]) for r in self.ranks]
 
     def to_json(self) -> dict:
         g = self.geometry
@@ -117,9 +129,13 @@ class PleTableSpec:
                              "heads_per_order": g.heads_per_order,
                              "vocab_per_order": list(g.vocab_per_order),
                              "row_values": g.row_values, "dtype": g.dtype},
-                "shard_tensor": self.shard_tensor, "shards": self.shards,
-                "file_pattern": self.file_pattern, "min_host_ram_gb": self.min_host_ram_gb,
-                "recipe": dict(self.recipe)}
+                "shard_tensor": self.shard_tensor, "shards": self.shards, "tp": self.tp,
+                "ranks": list(self.ranks), "engine_config": dict(self.engine_config),
+                "min_host_ram_gb": self.min_host_ram_gb, "recipe": dict(self.recipe)}
+
+
+def manifest_name(table: str) -> str:
+    return table + MANIFEST_SUFFIX
 
 
 def parse_spec(doc: Any, source: str = "spec") -> PleTableSpec:
@@ -157,18 +173,25 @@ def parse_spec(doc: Any, source: str = "spec") -> PleTableSpec:
     if shards < 1:
         raise bad("shards", "must be >= 1")
     tensor = need(doc, "shard_tensor", str, "")
-    pattern = need(doc, "file_pattern", str, "")
     _check_format(tensor, {"layer", "shard"}, "shard_tensor", source, required={"shard"})
-    _check_format(pattern, set(PATTERN_FIELDS), "file_pattern", source)
-    if "/" in pattern or pattern.startswith(".") or not pattern.endswith(".bin"):
-        raise bad("file_pattern", f"{pattern!r}: expected a plain file name ending in .bin")
+    tp = need(doc, "tp", int, "")
+    ranks = tuple(need({"ranks": r}, "ranks", int, "") for r in need(doc, "ranks", list, ""))
+    if tp < 1 or not ranks or any(not 0 <= r < tp for r in ranks) or len(set(ranks)) != len(ranks):
+        raise bad("ranks", f"expected distinct ranks in 0..{tp - 1}, got {list(ranks)}")
+    ec = need(doc, "engine_config", dict, "")
+    conf = {k: need(ec, k, int, "engine_config.") for k in CONFIG_KEYS}
+    for k, v in conf.items():
+        if v < 1:
+            raise bad(f"engine_config.{k}", f"must be >= 1, got {v}")
     ram = doc.get("min_host_ram_gb", 64.0)
     if isinstance(ram, bool) or not isinstance(ram, (int, float)):
         raise bad("min_host_ram_gb", f"expected a number, got {ram!r}")
-    return PleTableSpec(placement=need(doc, "placement", str, ""), geometry=geom,
-                        shard_tensor=tensor, shards=shards, file_pattern=pattern,
+    spec = PleTableSpec(placement=need(doc, "placement", str, ""), geometry=geom,
+                        shard_tensor=tensor, shards=shards, tp=tp, ranks=ranks, engine_config=conf,
                         min_host_ram_gb=float(ram), recipe=dict(doc.get("recipe") or {}),
                         source=source)
+    spec.tables()                          # the engine's own divisibility rules (InputError)
+    return spec
 
 
 def _check_format(text: str, allowed: set[str], key: str, source: str,
@@ -228,14 +251,17 @@ def mem_available(meminfo: str = "/proc/meminfo") -> int:
 class Source:
     checkpoint: Checkpoint
     rows: int
-    segments: list[bulkcopy.Segment]
     tensors: list[dict]                    # name, file, offset, rows (in shard order)
     identity: list[dict]                   # Checkpoint.identity of the files holding the shards
+    config: dict                           # the checkpoint's config.json values (ple_layout.engine_config)
 
 
 def resolve_source(spec: PleTableSpec, checkpoint_dir: str | Path) -> Source:
-    """Find every shard; check dtype, width and the row total against the geometry (exit 2)."""
+    """Find every shard; check dtype, width, the row total against the geometry and the shards'
+    places under the checkpoint's split_ngram_parts (exit 2)."""
     ck = Checkpoint(checkpoint_dir)
+    config = engine_config(ck.folder)
+    check_engine_config(config, spec.engine_config, str(ck.folder / "config.json"))
     names = [spec.shard_name(i) for i in range(spec.shards)]
     missing = [i for i, n in enumerate(names) if not ck.has(n)]
     if missing:
@@ -244,7 +270,7 @@ def resolve_source(spec: PleTableSpec, checkpoint_dir: str | Path) -> Source:
         raise InputError(f"{len(missing)} of {spec.shards} PLE shard tensors missing: {shown}{more}; "
                          f"the recipe expects shards 0..{spec.shards - 1} named by ple.shard_tensor",
                          file=str(ck.folder))
-    segs, tensors, off = [], [], 0
+    tensors = []
     for i, name in enumerate(names):
         t = ck.tensor(name)
         where = f"shard {i} ({name!r}) in {t.file.name}"
@@ -255,9 +281,7 @@ def resolve_source(spec: PleTableSpec, checkpoint_dir: str | Path) -> Source:
             width = t.shape[1] if len(t.shape) == 2 else f"shape {list(t.shape)}"
             raise InputError(f"{where} has shape {list(t.shape)}: width {width}, but the recipe's "
                              f"ple.geometry.row_values is {spec.width}", file=str(t.file))
-        segs.append(bulkcopy.Segment(str(t.file), t.offset, off, t.nbytes))
         tensors.append({"name": name, "file": t.file.name, "offset": t.offset, "rows": t.rows})
-        off += t.nbytes
     rows = sum(t["rows"] for t in tensors)
     expect = total_rows(spec.geometry)
     if rows != expect:
@@ -267,13 +291,41 @@ def resolve_source(spec: PleTableSpec, checkpoint_dir: str | Path) -> Source:
             f"{expect:,} rows (prime scheme: layers {list(g.layers)}, orders {list(g.orders)}, "
             f"{g.heads_per_order} heads per order, base vocabulary {list(g.vocab_per_order)}); "
             "check ple.geometry and ple.shards against the checkpoint", file=str(ck.folder))
+    first = spec.tables()[0]
+    stride, org = first.shard_stride, first.org_vocab_size
+    for i, t in enumerate(tensors):
+        if t["rows"] > stride or i * stride + t["rows"] > org:
+            # the engine would overwrite the next shard's rows with these (or drop them)
+            raise InputError(
+                f"shard {i} ({t['name']!r}) has {t['rows']:,} rows but SGLang places shard i at row "
+                f"i x {stride:,} (ceil({org:,} padded rows / split_ngram_parts "
+                f"{spec.engine_config['split_ngram_parts']})): it would overlap "
+                f"{'the next shard' if t['rows'] > stride else 'the end of the table'}; check "
+                "ple.shards and ple.split_ngram_parts against the checkpoint", file=str(ck.folder))
     files = sorted({t["file"] for t in tensors})
     identity = [i.to_json() for i in ck.identity(files)]
-    return Source(ck, rows, segs, tensors, identity)
+    return Source(ck, rows, tensors, identity, config)
 
 
-def table_key(spec: PleTableSpec, src: Source, name: str) -> str:
-    doc = {"geometry": spec.to_json()["geometry"], "file": name, "tensors": src.tensors,
+def segments_for(table: RankTable, src: Source, row_bytes: int) -> list[bulkcopy.Segment]:
+    """Checkpoint byte ranges -> this rank's file, where load_qwen4_exp_ple_shard puts them."""
+    out = []
+    for i, t in enumerate(src.tensors):
+        placed = table.place(i, t["rows"])
+        if placed:
+            dst_row, src_row, n = placed
+            out.append(bulkcopy.Segment(str(src.checkpoint.folder / t["file"]),
+                                        t["offset"] + src_row * row_bytes, dst_row * row_bytes,
+                                        n * row_bytes))
+    return out
+
+
+def spans_of(segments: list[bulkcopy.Segment]) -> list[list[int]]:
+    return [[s.dst_off, s.length] for s in bulkcopy.merge_adjacent(segments)]
+
+
+def table_key(spec: PleTableSpec, src: Source, table: RankTable) -> str:
+    doc = {"geometry": spec.to_json()["geometry"], "layout": table.to_json(), "tensors": src.tensors,
            "identity": src.identity}
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
@@ -281,9 +333,9 @@ def table_key(spec: PleTableSpec, src: Source, name: str) -> str:
 
 # -- restart decision ---------------------------------------------------------------------------
 
-def read_manifest(dest: Path) -> dict | None:
+def read_manifest(dest: Path, name: str) -> dict | None:
     try:
-        doc = json.loads((dest / MANIFEST_NAME).read_text())
+        doc = json.loads((dest / manifest_name(name)).read_text())
     except (FileNotFoundError, ValueError):
         return None
     return doc if isinstance(doc, dict) and doc.get("format") == MANIFEST_FORMAT else None
@@ -293,7 +345,7 @@ def keep_reason(man: dict | None, dest: Path, name: str, key: str, src: Source,
                 bytes_: int) -> tuple[bool, str]:
     """(keep?, why) from the manifest, the file's stat and the source identity: nothing is read."""
     if man is None:
-        return False, "no valid manifest" if (dest / MANIFEST_NAME).exists() else "no manifest"
+        return False, "no valid manifest" if (dest / manifest_name(name)).exists() else "no manifest"
     if man.get("file") != name:
         return False, f"the manifest describes {man.get('file')} (another geometry)"
     if man.get("source", {}).get("files") != src.identity:
@@ -312,23 +364,23 @@ def keep_reason(man: dict | None, dest: Path, name: str, key: str, src: Source,
     if (st.st_ino, st.st_mtime_ns) != (rec.get("ino"), rec.get("mtime_ns")):
         return False, f"{name} was modified or replaced since it was written (inode/mtime differ)"
     return True, (f"{name} matches its manifest: same checkpoint ({len(src.identity)} file(s): "
-                  f"sizes, mtimes, headers), same geometry ({src.rows:,} rows x {man.get('row_bytes')} B), "
-                  "same size, inode and mtime")
+                  f"sizes, mtimes, headers), same layout ({man.get('layout', {}).get('shape')} x "
+                  f"{man.get('row_bytes')} B rows), same size, inode and mtime")
 
 
 def verify_file(path: Path, man: dict) -> str | None:
-    """Re-hash the file chunk by chunk against the manifest; None if equal, else what differs."""
+    """Re-hash the written spans chunk by chunk against the manifest; None if equal, else what differs."""
     ck = man["checksum"]
     want = ck["chunks"]
     fd = os.open(path, os.O_RDONLY)
     try:
         got = 0
-        for i, h in bulkcopy.hash_chunks(fd, [(0, man["bytes"])], ck["chunk_bytes"]):
+        spans = [(int(o), int(n)) for o, n in man["spans"]]
+        for i, h in bulkcopy.hash_chunks(fd, spans, ck["chunk_bytes"]):
             got += 1
             if i >= len(want) or h != want[i]:
-                lo = i * ck["chunk_bytes"]
-                return (f"chunk {i} (bytes {lo}..{min(lo + ck['chunk_bytes'], man['bytes'])}) has "
-                        f"sha256 {h[:16]}..., the manifest says {want[i][:16] if i < len(want) else '-'}...")
+                return (f"chunk {i} of the written ranges has sha256 {h[:16]}..., the manifest says "
+                        f"{want[i][:16] if i < len(want) else '-'}...")
         if got != len(want):
             return f"{got} chunks hashed, the manifest lists {len(want)}"
     finally:
@@ -338,49 +390,57 @@ def verify_file(path: Path, man: dict) -> str | None:
 
 # -- read-back check ----------------------------------------------------------------------------
 
-def readback_check(path: str, spec: PleTableSpec, src: Source, samples: int = RANDOM_SAMPLES,
+def expected_row(table: RankTable, src: Source, row: int) -> tuple[str, int] | None:
+    """(source file, byte offset) of file row `row` by the engine's placement; None for a zero row."""
+    g = table.start + row
+    shard, within = divmod(g, table.shard_stride)
+    if g >= table.end or shard >= len(src.tensors) or within >= src.tensors[shard]["rows"]:
+        return None
+    t = src.tensors[shard]
+    return str(src.checkpoint.folder / t["file"]), t["offset"] + within * table.row_bytes
+
+
+def readback_check(path: str, table: RankTable, src: Source, samples: int = RANDOM_SAMPLES,
                    seed: int | None = None) -> int:
-    """mmap the written file; compare sampled rows (first, last, every shard's first and last,
-    random ones) with the checkpoint bytes. Returns the rows checked; raises WriteFailed."""
-    rb = spec.row_bytes
-    starts, r = [], 0
-    for t in src.tensors:
-        starts.append(r)
-        r += t["rows"]
-    rows = {0, src.rows - 1}
-    for s, t in zip(starts, src.tensors):
-        if t["rows"]:
-            rows.update((s, s + t["rows"] - 1))
+    """mmap the written file; compare sampled rows (first, last, every shard's first and last
+    in this file, a padding row, random ones) with the checkpoint bytes by the engine's placement.
+    Returns the rows checked; raises WriteFailed."""
+    rb = table.row_bytes
+    rows = {0, table.rows - 1}
+    for i, t in enumerate(src.tensors):
+        placed = table.place(i, t["rows"])
+        if placed:
+            rows.update((placed[0], placed[0] + placed[2] - 1))
     rng = random.Random(seed)
-    rows.update(rng.randrange(src.rows) for _ in range(min(samples, src.rows)))
+    rows.update(rng.randrange(table.rows) for _ in range(min(samples, table.rows)))
     fds: dict[str, int] = {}
     fd = os.open(path, os.O_RDONLY)
     try:
-        if src.rows == 0:
-            return 0
-        with mmap.mmap(fd, src.rows * rb, prot=mmap.PROT_READ) as mm:
+        with mmap.mmap(fd, table.nbytes, prot=mmap.PROT_READ) as mm:
             checks = []
-            shard = 0
             for row in sorted(rows):
-                while shard + 1 < len(starts) and starts[shard + 1] <= row:
-                    shard += 1
-                seg = src.segments[shard]
-                sfd = fds.get(seg.src)
-                if sfd is None:
-                    sfd = fds[seg.src] = os.open(seg.src, os.O_RDONLY)
-                checks.append((row, shard, seg.src, sfd, seg.src_off + (row - starts[shard]) * rb))
+                where = expected_row(table, src, row)
+                sfd = None
+                if where:
+                    sfd = fds.get(where[0])
+                    if sfd is None:
+                        sfd = fds[where[0]] = os.open(where[0], os.O_RDONLY)
+                checks.append((row, where, sfd))
             # ask for every sampled page at once (async readahead), then compare: the disk sees
             # one deep queue of small reads instead of hundreds of serial ones
-            for row, _, _, sfd, src_off in checks:
+            for row, where, sfd in checks:
                 page = row * rb // mmap.PAGESIZE * mmap.PAGESIZE
-                mm.madvise(mmap.MADV_WILLNEED, page, min(2 * mmap.PAGESIZE, src.rows * rb - page))
-                os.posix_fadvise(sfd, src_off, rb, os.POSIX_FADV_WILLNEED)
-            for row, shard, spath, sfd, src_off in checks:
-                want = os.pread(sfd, rb, src_off)
+                mm.madvise(mmap.MADV_WILLNEED, page, min(2 * mmap.PAGESIZE, table.nbytes - page))
+                if where:
+                    os.posix_fadvise(sfd, where[1], rb, os.POSIX_FADV_WILLNEED)
+            for row, where, sfd in checks:
+                want = os.pread(sfd, rb, where[1]) if where else bytes(rb)
                 if mm[row * rb:(row + 1) * rb] != want:
-                    raise WriteFailed(f"read-back check: row {row} (shard {shard}) of the written file "
-                                      f"differs from the checkpoint ({spath} at byte {src_off})")
-                bulkcopy.drop_cache_around(sfd, src_off, rb)
+                    what = f"{where[0]} at byte {where[1]}" if where else "zeros (no shard covers it)"
+                    raise WriteFailed(f"read-back check: row {row} of {Path(path).name} differs from "
+                                      f"the checkpoint ({what})")
+                if where:
+                    bulkcopy.drop_cache_around(sfd, where[1], rb)
         return len(rows)
     finally:
         bulkcopy.drop_cache(fd, 0, 0)
@@ -436,7 +496,7 @@ def write_table(spec: PleTableSpec, checkpoint: str | Path, dest: str | Path, *,
                 host: str | None = None, prealloc: bool = True,
                 chunk_bytes: int = bulkcopy.CHUNK_BYTES, quiet: bool = False,
                 meminfo: str = "/proc/meminfo") -> Outcome:
-    """Write (or keep) the table file; see the module doc. Raises InputError (exit 2) or
+    """Write (or keep) every rank's table file; see the module doc. Raises InputError (exit 2) or
     WriteFailed (exit 1)."""
     t0 = time.monotonic()
     if spec.placement == "pinned":
@@ -449,83 +509,98 @@ def write_table(spec: PleTableSpec, checkpoint: str | Path, dest: str | Path, *,
         return Outcome("no-file", f"placement {spec.placement!r}: no table file to write", {"host": host})
 
     src = resolve_source(spec, checkpoint)
-    name = spec.file_name(src.rows)
-    total = src.rows * spec.row_bytes
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    final = dest / name
-    key = table_key(spec, src, name)
+    tables = spec.tables()
     lock = _DirLock(dest)
     try:
-        removed = _remove(_matching(dest, f".{spec.file_glob}.*.tmp"))   # a crashed run's temp files
-        man = read_manifest(dest)
-        keep, why = keep_reason(man, dest, name, key, src, total)
-        decided = time.monotonic() - t0
-        base = {"file": str(final), "rows": src.rows, "row_bytes": spec.row_bytes, "bytes": total,
-                "decided_in_s": round(decided, 3), "host": host}
-        if keep and verify:
-            bad = verify_file(final, man)
-            if bad:
-                keep, why = False, f"--verify: {bad}"
-            else:
-                why += f"; --verify re-hashed all {len(man['checksum']['chunks'])} chunks: equal"
-        if keep:
-            removed += _remove(_others(dest, spec, name))
-            return Outcome("kept", why, {**base, "removed": removed,
-                                         "seconds": round(time.monotonic() - t0, 3)})
-
-        existed = final.exists()
-        _log(f"ple-write: writing {name} ({total / 1e9:.2f} GB, {src.rows:,} rows) to {dest}: {why}", quiet)
-        (dest / MANIFEST_NAME).unlink(missing_ok=True)   # the manifest is removed first, written last
+        removed = _remove(_matching(dest, f".{TABLE_GLOB}.*.tmp"))   # a crashed run's temp files
+        results = [_write_one(spec, src, t, dest, Path(checkpoint), verify=verify, host=host,
+                              prealloc=prealloc, chunk_bytes=chunk_bytes, quiet=quiet) for t in tables]
+        removed += _remove(_others(dest, [t.file_name for t in tables]))
         fsync_dir(dest)
-        removed += _make_room(dest, spec, total, quiet)
-        tmp = dest / f".{name}.{os.getpid()}.tmp"
-        try:
-            res = _write_new(tmp, src, total, prealloc, chunk_bytes, quiet, dest, name)
-            checked = readback_check(str(tmp), spec, src)
-            os.rename(tmp, final)                     # over the old file: it is never read
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(dest)
-        removed += _remove(_others(dest, spec, name))
-        fsync_dir(dest)
-        st = final.stat()
-        manifest = {
-            "format": MANIFEST_FORMAT, "file": name, "rows": src.rows, "row_bytes": spec.row_bytes,
-            "width": spec.width, "dtype": spec.geometry.dtype, "bytes": total,
-            "checksum": {"scheme": bulkcopy.CHECKSUM, "chunk_bytes": res.chunk_bytes,
-                         "chunks": res.chunks},
-            "source": {"checkpoint": str(Path(checkpoint).resolve()), "files": src.identity,
-                       "tensors": src.tensors},
-            "table_key": key,
-            "stat": {"ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "size": st.st_size},
-            "recipe": spec.recipe, "spec": spec.to_json(),
-            "written": {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        "seconds": round(res.seconds, 3), "preallocated": res.preallocated,
-                        "readback_rows": checked, "host": host},
-        }
-        atomic_write_text(dest / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
-        secs = time.monotonic() - t0
-        return Outcome("rewritten" if existed else "written", why, {
-            **base, "removed": removed, "seconds": round(secs, 3),
-            "copy_seconds": round(res.seconds, 3),
-            "mb_per_s": round(total / 1e6 / res.seconds, 1) if res.seconds > 0 else None,
-            "preallocated": res.preallocated, "readback_rows": checked,
-            "chunks": len(res.chunks), "chunk_bytes": res.chunk_bytes})
     finally:
         lock.close()
+    first = results[0]
+    status = ("kept" if all(r.status == "kept" for r in results) else
+              "rewritten" if any(r.status == "rewritten" for r in results) else "written")
+    reason = "; ".join(r.reason for r in results)
+    data = {**first.data, "removed": removed + sum((r.data.get("removed", []) for r in results), []),
+            "seconds": round(time.monotonic() - t0, 3),
+            "files": [r.data["file"] for r in results]}
+    if len(results) > 1:
+        data["tables"] = [r.to_json() for r in results]
+    return Outcome(status, reason, data)
 
 
-def _make_room(dest: Path, spec: PleTableSpec, total: int, quiet: bool) -> list[str]:
+def _write_one(spec: PleTableSpec, src: Source, table: RankTable, dest: Path, checkpoint: Path, *,
+               verify: bool, host: str | None, prealloc: bool, chunk_bytes: int, quiet: bool) -> Outcome:
+    t0 = time.monotonic()
+    name, total = table.file_name, table.nbytes
+    final = dest / name
+    key = table_key(spec, src, table)
+    man = read_manifest(dest, name)
+    keep, why = keep_reason(man, dest, name, key, src, total)
+    base = {"file": str(final), "rows": table.rows, "row_bytes": table.row_bytes, "bytes": total,
+            "rank": table.rank, "decided_in_s": round(time.monotonic() - t0, 3), "host": host}
+    if keep and verify:
+        bad = verify_file(final, man)
+        if bad:
+            keep, why = False, f"--verify: {bad}"
+        else:
+            why += f"; --verify re-hashed all {len(man['checksum']['chunks'])} chunks: equal"
+    if keep:
+        return Outcome("kept", why, {**base, "seconds": round(time.monotonic() - t0, 3)})
+
+    existed = final.exists()
+    _log(f"ple-write: writing {name} ({total / 1e9:.2f} GB, {table.rows:,} rows) to {dest}: {why}", quiet)
+    (dest / manifest_name(name)).unlink(missing_ok=True)   # the manifest is removed first, written last
+    fsync_dir(dest)
+    removed = _make_room(dest, [final], total, quiet)
+    segments = segments_for(table, src, table.row_bytes)
+    tmp = dest / f".{name}.{os.getpid()}.tmp"
+    try:
+        res = _write_new(tmp, segments, total, prealloc, chunk_bytes, quiet, dest, name)
+        checked = readback_check(str(tmp), table, src)
+        os.rename(tmp, final)                     # over the old file: it is never read
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(dest)
+    st = final.stat()
+    manifest = {
+        "format": MANIFEST_FORMAT, "file": name, "bytes": total, "row_bytes": table.row_bytes,
+        "width": table.width, "dtype": table.dtype, "layout": table.to_json(),
+        "spans": spans_of(segments),
+        "checksum": {"scheme": bulkcopy.CHECKSUM, "chunk_bytes": res.chunk_bytes, "chunks": res.chunks},
+        "source": {"checkpoint": str(checkpoint.resolve()), "files": src.identity,
+                   "tensors": src.tensors, "config": src.config},
+        "table_key": key,
+        "stat": {"ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "size": st.st_size},
+        "recipe": spec.recipe, "spec": spec.to_json(),
+        "written": {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "seconds": round(res.seconds, 3), "preallocated": res.preallocated,
+                    "readback_rows": checked, "host": host},
+    }
+    atomic_write_text(dest / manifest_name(name), json.dumps(manifest, indent=1) + "\n")
+    return Outcome("rewritten" if existed else "written", why, {
+        **base, "removed": removed, "seconds": round(time.monotonic() - t0, 3),
+        "copy_seconds": round(res.seconds, 3),
+        "mb_per_s": round(res.bytes / 1e6 / res.seconds, 1) if res.seconds > 0 else None,
+        "preallocated": res.preallocated, "readback_rows": checked,
+        "chunks": len(res.chunks), "chunk_bytes": res.chunk_bytes})
+
+
+def _make_room(dest: Path, replaced: list[Path], total: int, quiet: bool) -> list[str]:
     """The new file is written beside the old one and renamed over it. When the folder's
     filesystem cannot hold both, the tables being replaced (invalid by now, their manifest gone)
-    are removed first: better than failing for want of the space they hold."""
+    and tables of other geometries are removed first: better than failing for want of the space
+    they hold."""
     st = os.statvfs(dest)
     free = st.f_bavail * st.f_frsize
     if free >= total:
         return []
-    old = _matching(dest, spec.file_glob)
+    old = [p for p in _matching(dest, TABLE_GLOB) if p in replaced or not (dest / manifest_name(p.name)).exists()]
     held = sum(p.stat().st_blocks * 512 for p in old)
     if not old or free + held < total:
         return []                   # fallocate will refuse with the figures
@@ -539,14 +614,20 @@ def _matching(dest: Path, pattern: str) -> list[Path]:
     return [Path(p) for p in sorted(glob.glob(os.path.join(glob.escape(str(dest)), pattern)))]
 
 
-def _others(dest: Path, spec: PleTableSpec, name: str) -> list[Path]:
-    """Table files of other geometries (the engine expects exactly one)."""
-    return [p for p in _matching(dest, spec.file_glob) if p.name != name]
+def _others(dest: Path, names: list[str]) -> list[Path]:
+    """Table files (and their manifests) that are none of this spec's tables: the engine maps
+    only its own name, so these just hold disk space."""
+    stale = [p for p in _matching(dest, TABLE_GLOB) if p.name not in names]
+    stale += [p for p in _matching(dest, "ple_table_*" + MANIFEST_SUFFIX)
+              if p.name[:-len(MANIFEST_SUFFIX)] not in names]
+    stale += [p for p in _matching(dest, "deployctl-ple-manifest.json")]     # deployctl <= 0.1's
+    return stale
 
 
-def _write_new(tmp: Path, src: Source, total: int, prealloc: bool, chunk_bytes: int, quiet: bool,
-               dest: Path, name: str) -> bulkcopy.CopyResult:
-    """Copy the shards into a new temp file (the caller removes it on failure)."""
+def _write_new(tmp: Path, segments: list[bulkcopy.Segment], total: int, prealloc: bool,
+               chunk_bytes: int, quiet: bool, dest: Path, name: str) -> bulkcopy.CopyResult:
+    """Copy the shards into a new temp file of the table's full size (the caller removes it on
+    failure). Rows no shard covers are holes: zeros, as the engine's fresh sparse file has."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     last = [time.monotonic()]
 
@@ -557,8 +638,12 @@ def _write_new(tmp: Path, src: Source, total: int, prealloc: bool, chunk_bytes: 
             _log(f"ple-write: {done / 1e9:.2f} / {tot / 1e9:.2f} GB", quiet)
 
     try:
-        return bulkcopy.copy_segments(fd, src.segments, chunk_bytes=chunk_bytes, prealloc=prealloc,
-                                      progress=progress)
+        # the whole file at once: ENOSPC before any byte is written (False: no fallocate here)
+        reserved = prealloc and bulkcopy.preallocate(fd, 0, total)
+        os.ftruncate(fd, total)
+        res = bulkcopy.copy_segments(fd, segments, chunk_bytes=chunk_bytes, prealloc=False,
+                                     progress=progress)
+        return dataclasses.replace(res, preallocated=reserved)
     except OSError as e:
         if e.errno == errno.ENOSPC:
             st = os.statvfs(dest)
@@ -572,17 +657,25 @@ def _write_new(tmp: Path, src: Source, total: int, prealloc: bool, chunk_bytes: 
 
 
 def check_table(spec: PleTableSpec, checkpoint: str | Path, dest: str | Path) -> dict[str, Any]:
-    """Would write_table keep the file? Reads only the manifest, stats and safetensors headers;
-    writes nothing and takes no lock (what the stage asks over SSH before starting Ansible)."""
+    """Would write_table keep every file? Reads only manifests, stats, config.json and safetensors
+    headers; writes nothing and takes no lock (what the stage asks over SSH before starting Ansible)."""
     if spec.placement != "nvme":
         return {"op": "ple-write", "status": "check", "up_to_date": False,
                 "reason": f"placement {spec.placement!r}: checked on the host by the op itself"}
     src = resolve_source(spec, checkpoint)
-    name, total = spec.file_name(src.rows), src.rows * spec.row_bytes
     dest = Path(dest)
-    keep, why = keep_reason(read_manifest(dest), dest, name, table_key(spec, src, name), src, total)
-    return {"op": "ple-write", "status": "check", "up_to_date": keep, "reason": f"kept: {why}" if keep else why,
-            "file": str(dest / name), "bytes": total}
+    whys, ok = [], True
+    for t in spec.tables():
+        keep, why = keep_reason(read_manifest(dest, t.file_name), dest, t.file_name,
+                                table_key(spec, src, t), src, t.nbytes)
+        ok, whys = ok and keep, whys + [why]
+    stale = [p.name for p in _others(dest, [t.file_name for t in spec.tables()])]
+    if ok and stale:
+        ok, whys = False, whys + [f"stale table files to remove: {', '.join(stale[:3])}"]
+    first = spec.tables()[0]
+    return {"op": "ple-write", "status": "check", "up_to_date": ok,
+            "reason": ("kept: " if ok else "") + "; ".join(whys),
+            "file": str(dest / first.file_name), "bytes": sum(t.nbytes for t in spec.tables())}
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ SCALED_OVERRIDES: dict[str, dict[str, Any]] = {
         "engine.chain": "test-double",
         "engine.shm_size": "1g",
         "engine.env.DOUBLE_LOAD_S": "2",
-        "engine.env.DOUBLE_ENGRAM_DIR": "/engram",
+        "engine.min_mem_available_gib": 1,   # the recipe's 100 GiB gate: the test machine has far less
         "health.startup_timeout_s": 180,
         "health.poll_interval_s": 1,
     },
@@ -152,6 +152,7 @@ SCALED_OVERRIDES: dict[str, dict[str, Any]] = {
         "model.checkpoint_gb": 0.2,
         "ple.geometry.vocab_per_order": [20000, 20000],
         "ple.shards": 8,
+        "ple.split_ngram_parts": 8,          # the synthetic config.json says so (tests/synth.py)
         "engine.image": "dctl-engine:test",
         "engine.chain": "test-double",
         "engine.shm_size": "1g",

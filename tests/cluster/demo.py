@@ -43,9 +43,10 @@ def prepare(name: str = "local", n_hosts: int = 4, log: Callable[[str], None] = 
     folder = Path(dep.checkpoint_dir(dep.cluster.head_host))
     tensors = synth.recipe_tensors(dep.recipe)
     marker = folder / ".synthetic.json"
-    want = json.dumps([t.__dict__ for t in tensors], sort_keys=True)
+    config = synth.recipe_config(dep.recipe)
+    want = json.dumps([[t.__dict__ for t in tensors], config], sort_keys=True)
     if not (marker.exists() and marker.read_text() == want):
-        synth.write_checkpoint(folder, tensors)
+        synth.write_checkpoint(folder, tensors, config=config)
         marker.write_text(want)
         log(f"wrote a synthetic checkpoint for {dep.recipe.name} to {folder} on {head.name}")
     else:

@@ -14,7 +14,8 @@ What it does, in order:
   2. records argv + environment (secrets masked) to $DOUBLE_RECORD_DIR/argv-<engine>-rank<R>.json,
   3. DOUBLE_FAIL=crash-at-start -> exit 3,
   4. multi-node rendezvous (vLLM --nnodes > 1): head listens on 0.0.0.0:--master-port, workers connect,
-  5. staged-data checks (Engram ranges -> exit 5, SGLang PLE file -> exit 6),
+  5. staged-data checks (Engram rows, as the engine reads them -> exit 5); the SGLang PLE table as the released engine maps it
+     (file name from config.json, read-write mapping, the loader rewrite unless the patch keeps it; -> exit 6),
   6. simulated loading with progress lines (DOUBLE_LOAD_S),
   7. head only: binds --host:--port and serves an OpenAI-style API with deterministic, timed tokens.
 
@@ -30,8 +31,12 @@ Environment knobs (all optional):
   DOUBLE_FAIL_RANK       apply DOUBLE_FAIL only on this node rank (default: every rank)
   DOUBLE_CRASH_AFTER_S   crash-later: seconds after ready before exit 4 (default 5)
   DOUBLE_ERROR_AFTER     error-mid: successful requests before HTTP 500s start (default 5)
-  DSV41_ENGRAM_DISK=1 + DOUBLE_ENGRAM_DIR   read DIR/engram-local.json, print the row ranges
-  DOUBLE_EXPECT_RANGES   JSON ({"layers": {...}} or {...}); differs from engram-local.json -> exit 5
+  DSV41_ENGRAM_DISK=1     read every Engram layer's rows of this node's TP ranks exactly as the patched
+                         vLLM engram.py does (MODEL/config.json geometry, DSV41_ENGRAM_DIR + engram-local.json
+                         coverage, else the model folder; index -> shard -> header offsets), compare them with
+                         the model folder's when they came from DSV41_ENGRAM_DIR; problem -> exit 5
+  DOUBLE_ENGRAM_SAMPLES  random rows read per Engram layer besides the first and last (default 16);
+                         the rows' sha256 go to $DOUBLE_RECORD_DIR/engram-rows-rank<R>.json
 
 Exit codes: 0 stopped by SIGTERM/SIGINT, 1 runtime failure (rendezvous, bind, lost peer),
 2 command-line error, 3 crash-at-start, 4 crash-later, 5 Engram data mismatch, 6 PLE table problem.
@@ -56,7 +61,7 @@ DOUBLE_VERSION = "0.1.0"
 JSON_FLAGS = {
     "vllm": {"speculative-config", "compilation-config", "default-chat-template-kwargs",
              "limit-mm-per-prompt", "hf-overrides", "override-generation-config",
-             "kv-transfer-config", "model-loader-extra-config", "mm-processor-kwargs"},
+             "kv-transfer-config", "model-loader-extra-config", "mm-processor-kwargs", "engram-config"},
     "sglang": {"json-model-override-args"},
 }
 INT_FLAGS = {
@@ -67,7 +72,7 @@ INT_FLAGS = {
                "speculative-num-draft-tokens", "nnodes", "node-rank", "chunked-prefill-size"},
 }
 FLOAT_FLAGS = {
-    "vllm": {"gpu-memory-utilization"},
+    "vllm": {"gpu-memory-utilization", "mm-processor-cache-gb"},
     "sglang": {"mem-fraction-static"},
 }
 CHOICES = {
@@ -79,7 +84,7 @@ BOOL_FLAGS = {
     "vllm": {"headless", "trust-remote-code", "enforce-eager", "async-scheduling", "skip-tokenizer-init",
              "use-tqdm-on-load", "disable-log-requests", "disable-log-stats"},
     "sglang": {"trust-remote-code", "skip-server-warmup", "log-requests", "is-embedding",
-               "allow-auto-truncate", "skip-tokenizer-init"},
+               "allow-auto-truncate", "skip-tokenizer-init", "ple-offload-embedding"},
 }
 NARGS_PLUS = {"served-model-name"}
 ARGV_SECRET_FLAGS = {"api-key", "hf-token", "token", "admin-api-key"}
@@ -338,82 +343,424 @@ def masked_env(env: dict) -> dict:
 
 # ------------------------------------------------------------------------------------- staged data
 
-def _ranges_shape(obj, what: str) -> dict:
-    layers = obj.get("layers", obj) if isinstance(obj, dict) else None
-    if not isinstance(layers, dict):
-        raise ValueError(f"{what}: expected {{\"layers\": {{\"<layer>\": [lo, hi]}}}}")
+# Engram: the patched vLLM engram.py's disk reader (tonyd2wild/DeepSeek-V4.1-Flash-vLLM-DGX-Spark,
+# patch/exl3-tp3/engram.py; docs/engram-contract.md), reproduced rule for rule so that the tests fail
+# where deployctl's staged folder and the engine disagree. Each piece names the upstream code it follows.
+
+ENGRAM_INDEX = "model.safetensors.index.json"
+ENGRAM_LOCAL = "engram-local.json"
+ENGRAM_BLOCK = 32          # ParallelEngramEmbedding(block_size=32): one ue8m0 scale per 32 FP8 values
+
+
+class EngramError(Exception):
+    """What makes the real engine raise while building a DiskEngramTable (the double exits 5)."""
+
+
+def _engram_is_prime(n: int) -> bool:
+    """engram.py _is_prime (deterministic Miller-Rabin; the bases here hold for every n < 3.3e24)."""
+    if n < 2:
+        return False
+    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def engram_config(model_dir: str) -> dict | None:
+    """The Engram keys of MODEL/config.json (EngramLayout.from_config: none without engram_layer_ids)."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
+        doc = json.load(fh)
+    for c in (doc, doc.get("text_config") if isinstance(doc, dict) else None):
+        if isinstance(c, dict) and c.get("engram_layer_ids"):
+            return c
+    return None
+
+
+def engram_head_sizes(config: dict) -> dict:
+    """EngramLayout.__init__: per layer, per n-gram size 2..engram_max_ngram_size, engram_n_heads primes,
+    each find_next_prime(current, seen) = the smallest prime > current not handed out before, starting
+    from engram_vocab_size - 1 for every n-gram size, one `seen` set across all layers.
+    Returns {layer id: [sub-table sizes in (n-gram, head) order]}."""
+    vocab = int(config["engram_vocab_size"])
+    seen: set = set()
     out = {}
-    for layer, rng in layers.items():
-        if not (isinstance(rng, list) and len(rng) == 2 and all(isinstance(x, int) for x in rng)):
-            raise ValueError(f"{what}: layer {layer}: expected [lo, hi], got {rng!r}")
-        out[str(layer)] = [int(rng[0]), int(rng[1])]
+    for layer in config["engram_layer_ids"]:
+        sizes = []
+        for _ in range(int(config["engram_max_ngram_size"]) - 1):
+            current = vocab - 1
+            for _ in range(int(config["engram_n_heads"])):
+                current += 1
+                while not _engram_is_prime(current) or current in seen:
+                    current += 1
+                seen.add(current)
+                sizes.append(current)
+        out[int(layer)] = sizes
     return out
 
 
-def check_engram(cfg: Config) -> None:
-    if os.environ.get("DSV41_ENGRAM_DISK") != "1" or not os.environ.get("DOUBLE_ENGRAM_DIR"):
-        return
-    folder = os.environ["DOUBLE_ENGRAM_DIR"]
-    path = os.path.join(folder, "engram-local.json")
-    log(f"Engram-on-disk enabled: threads={os.environ.get('DSV41_ENGRAM_DISK_THREADS', '-')} "
-        f"chunk={os.environ.get('DSV41_ENGRAM_DISK_CHUNK', '-')} dir={folder}")
+def engram_rank_rows(sizes: list, tp: int, rank: int) -> tuple:
+    """ParallelEngramEmbedding.__init__: part_n_hash_cols = cdiv(n_hash_cols, tp); head_start = rank x
+    part; vocab_start_idx = sum(sizes[:head_start]); vocab_end_idx = sum(sizes[:head_start + part]).
+    Returns (row_start, num_rows) = (vocab_start_idx, part_num_embeddings)."""
+    part = -(-len(sizes) // tp)
+    start = rank * part
+    lo, hi = sum(sizes[:start]), sum(sizes[:start + part])
+    return lo, hi - lo
+
+
+def engram_local_dir(model_dir: str, layer_id: int, row_start: int, num_rows, env=None) -> str:
+    """_dsv41_engram_local_dir: DSV41_ENGRAM_DIR is used for a layer only if its engram-local.json
+    ["layers"][str(layer)] = [lo, hi] covers [row_start, row_start + num_rows); anything else (unset,
+    unreadable, not covering) reads the model folder."""
+    local = (os.environ if env is None else env).get("DSV41_ENGRAM_DIR", "")
+    if not local:
+        log(f"Engram rows from model folder {model_dir}: layer {layer_id} (DSV41_ENGRAM_DIR is not set)")
+        return model_dir
     try:
-        with open(path, encoding="utf-8") as fh:
-            local = _ranges_shape(json.load(fh), path)
-    except FileNotFoundError:
-        die(5, f"Engram-on-disk: {path} not found (no engram rows staged on this node)")
-    except (OSError, ValueError) as exc:
-        die(5, f"Engram-on-disk: cannot read {path}: {exc}")
-    for layer in sorted(local, key=lambda s: int(s) if s.isdigit() else s):
-        lo, hi = local[layer]
-        log(f"Engram layer {layer}: local rows [{lo}, {hi}) ({hi - lo} rows) for rank {cfg.node_rank}")
-    raw = os.environ.get("DOUBLE_EXPECT_RANGES")
-    if raw:
+        with open(os.path.join(local, ENGRAM_LOCAL)) as f:
+            lo, hi = json.load(f)["layers"][str(layer_id)]
+    except Exception as e:  # noqa: BLE001 - the engine catches everything here, then falls back
+        log(f"DSV41_ENGRAM_DIR={local} unusable for layer {layer_id} ({e}); reading {model_dir}", "WARNING")
+        log(f"Engram rows from model folder {model_dir}: layer {layer_id} (no usable {ENGRAM_LOCAL})")
+        return model_dir
+    if num_rows is None or not (lo <= row_start and row_start + num_rows <= hi):
+        log(f"DSV41_ENGRAM_DIR={local} holds layer {layer_id} rows [{lo}, {hi}), this rank needs "
+            f"[{row_start}, +{num_rows}); reading {model_dir}", "WARNING")
+        log(f"Engram rows from model folder {model_dir}: layer {layer_id} ({ENGRAM_LOCAL} does not cover "
+            f"rows [{row_start}, {row_start + (num_rows or 0)}))")
+        return model_dir
+    log(f"Engram layer {layer_id} rows [{row_start}, {row_start + num_rows}) read from node-local {local}")
+    log(f"Engram rows from local dir {local}: layer {layer_id} rows [{row_start}, {row_start + num_rows})")
+    return local
+
+
+class EngramDiskTable:
+    """DiskEngramTable: the index of the chosen folder names each tensor's file; the file's own header
+    (u64 LE length n, n bytes of JSON) gives data_offsets and shape; rows are read with preads at
+    8 + n + data_offsets[0] + (row_start + rel) x row_bytes (weight: dim bytes, scale: dim / 32 bytes).
+    `rel` are rank-local row ids, as the engine's callers pass them."""
+
+    def __init__(self, model_dir: str, layer_id: int, dim: int, block_size: int = ENGRAM_BLOCK,
+                 row_start: int = 0, num_rows=None, env=None, use_local: bool = True):
+        self.dir = engram_local_dir(model_dir, layer_id, row_start, num_rows, env) if use_local else model_dir
+        self.source = "model" if self.dir == model_dir else "local"
+        self.layer = layer_id
         try:
-            expected = _ranges_shape(json.loads(raw), "DOUBLE_EXPECT_RANGES")
-        except ValueError as exc:
-            die(5, f"DOUBLE_EXPECT_RANGES is not valid: {exc}")
-        if expected != local:
-            die(5, f"engram rows staged for another rank: rank {cfg.node_rank} expects {json.dumps(expected)} "
-                   f"but {path} holds {json.dumps(local)}")
-        log("Engram row ranges match the expected ranges for this rank")
+            with open(os.path.join(self.dir, ENGRAM_INDEX)) as f:
+                weight_map = json.load(f)["weight_map"]
+            wname = f"layers.{layer_id}.engram.embed.weight"
+            sname = f"layers.{layer_id}.engram.embed.scale"
+            self.w_path, self.w_off, self.w_shape = self._open(self.dir, weight_map[wname], wname)
+            self.s_path, self.s_off, self.s_shape = self._open(self.dir, weight_map[sname], sname)
+        except EngramError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any of these stops the real engine at start
+            raise EngramError(f"layer {layer_id}: reading {self.dir}: {type(e).__name__}: {e}") from None
+        self.dim, self.sb = dim, dim // block_size
+        if self.w_shape[1] != dim or self.s_shape[1] != self.sb or self.s_shape[0] != self.w_shape[0]:
+            raise EngramError(f"layer {layer_id}: AssertionError: shapes weight {self.w_shape}, scale "
+                              f"{self.s_shape} in {self.dir} do not fit dim {dim} / block {block_size}")
+        if num_rows is None:
+            num_rows = self.w_shape[0] - row_start
+        if not (0 <= row_start and row_start + num_rows <= self.w_shape[0]):
+            raise EngramError(f"layer {layer_id}: AssertionError: rows [{row_start}, +{num_rows}) outside "
+                              f"the table's {self.w_shape[0]} rows ({self.dir})")
+        self.w_off += row_start * dim
+        self.s_off += row_start * self.sb
+        self.row_start, self.num_rows = row_start, num_rows
+        log(f"Engram DISK mode: layer {layer_id} rows [{row_start}, {row_start + num_rows}) read from "
+            f"{weight_map[wname]} (off={self.w_off}) and {weight_map[sname]} (off={self.s_off})"
+            + ("" if use_local else f" in {self.dir} (the double's reference read)"))
+
+    @staticmethod
+    def _open(folder: str, fname: str, tname: str) -> tuple:
+        """DiskEngramTable._open: (path, 8 + n + data_offsets[0], shape)."""
+        path = os.path.join(folder, fname)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            hdr = json.loads(f.read(n))
+        meta = hdr[tname]
+        return path, 8 + n + meta["data_offsets"][0], tuple(meta["shape"])
+
+    def read(self, rel: list) -> list:
+        """_kai_pread_rows for the weight and the scale: [(weight row, scale row)] per rank-local row."""
+        out = []
+        with open(self.w_path, "rb") as w, open(self.s_path, "rb") as s:
+            for r in rel:
+                pair = []
+                for fh, base, nb in ((w, self.w_off, self.dim), (s, self.s_off, self.sb)):
+                    data = os.pread(fh.fileno(), nb, base + r * nb)
+                    if len(data) != nb:
+                        raise EngramError(f"layer {self.layer}: OSError: engram disk table: short read")
+                    pair.append(data)
+                out.append(tuple(pair))
+        return out
 
 
-_ple_maps: list = []  # keep the mmap alive for the life of the process
+def engram_tables(model_dir: str, tp: int, rank: int, env=None, use_local: bool = True) -> list:
+    """Every Engram layer's table for TP rank `rank`, as the engine builds them (one per engram layer)."""
+    config = engram_config(model_dir)
+    if config is None:
+        return []
+    dim = int(config["engram_head_dim"])
+    out = []
+    for layer, sizes in engram_head_sizes(config).items():
+        row_start, num_rows = engram_rank_rows(sizes, tp, rank)
+        out.append(EngramDiskTable(model_dir, layer, dim, ENGRAM_BLOCK, row_start, num_rows, env, use_local))
+    return out
+
+
+def engram_sample(num_rows: int, n: int, seed: str) -> list:
+    """Rank-local rows to read: the first, the last and `n` random ones (deterministic per seed)."""
+    import random
+    if num_rows <= 0:
+        return []
+    rng = random.Random(seed)
+    return sorted({0, num_rows - 1} | {rng.randrange(num_rows) for _ in range(n)})
+
+
+def engram_check_rank(model_dir: str, tp: int, rank: int, samples: int = 16, env=None) -> dict:
+    """Build the rank's tables, read a sample of rows of each layer through the engine's path, and when
+    that path is the node-local folder compare them with the same rows of the model folder (the
+    checkpoint). Returns the record (sha256 of every row read); raises EngramError on any problem."""
+    import hashlib
+    record = {"tp": tp, "rank": rank, "layers": {}}
+    for t in engram_tables(model_dir, tp, rank, env):
+        rel = engram_sample(t.num_rows, samples, f"{t.layer}:{rank}")
+        rows = t.read(rel)
+        compared = False
+        if t.source == "local" and rel:
+            try:
+                ref = EngramDiskTable(model_dir, t.layer, t.dim, ENGRAM_BLOCK, t.row_start, t.num_rows,
+                                      env, use_local=False)
+                want = ref.read(rel)
+                compared = True
+            except EngramError as e:
+                log(f"Engram layer {t.layer}: no reference rows in the model folder ({e}); not compared",
+                    "WARNING")
+            if compared:
+                for r, got, exp in zip(rel, rows, want):
+                    if got != exp:
+                        which = "weight" if got[0] != exp[0] else "scale"
+                        raise EngramError(
+                            f"layer {t.layer} row {t.row_start + r} ({which}) read from {t.dir} differs from "
+                            f"the model folder {model_dir}: the staged rows are not where the engine reads them")
+        record["layers"][str(t.layer)] = {
+            "dir": t.dir, "source": t.source, "row_start": t.row_start, "num_rows": t.num_rows,
+            "compared": compared,
+            "rows": {str(t.row_start + r): [hashlib.sha256(w).hexdigest(), hashlib.sha256(s).hexdigest()]
+                     for r, (w, s) in zip(rel, rows)}}
+        log(f"Engram layer {t.layer}: {len(rel)} rows of rank {rank} read from {t.source} "
+            f"{'dir' if t.source == 'local' else 'folder'} {t.dir}"
+            + (" and identical to the model folder's" if compared else ""))
+    return record
+
+
+def check_engram(cfg: Config) -> None:
+    """DSV41_ENGRAM_DISK=1: read this node's ranks' Engram rows as the patched engine does; exit 5 when
+    the engine would fail (missing index, file, tensor, header; short read) or rows differ."""
+    if os.environ.get("DSV41_ENGRAM_DISK", "0") != "1":
+        return
+    log(f"Engram-on-disk enabled: threads={os.environ.get('DSV41_ENGRAM_DISK_THREADS', '-')} "
+        f"chunk={os.environ.get('DSV41_ENGRAM_DISK_CHUNK', '-')} "
+        f"DSV41_ENGRAM_DIR={os.environ.get('DSV41_ENGRAM_DIR') or '-'}")
+    try:
+        config = engram_config(cfg.model)
+    except (OSError, ValueError) as exc:
+        die(5, f"Engram-on-disk: cannot read {cfg.model}/config.json: {exc}")
+    if config is None:
+        log(f"Engram-on-disk: {cfg.model}/config.json has no engram_layer_ids: no Engram layers to read")
+        return
+    samples = int(os.environ.get("DOUBLE_ENGRAM_SAMPLES", "16"))
+    per = max(1, cfg.tp // max(1, cfg.nnodes))          # TP ranks on this node (one process each upstream)
+    for rank in range(cfg.node_rank * per, min(cfg.tp, (cfg.node_rank + 1) * per)):
+        try:
+            record = engram_check_rank(cfg.model, cfg.tp, rank, samples)
+        except EngramError as exc:
+            die(5, f"Engram-on-disk (rank {rank} of {cfg.tp}): {exc}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            die(5, f"Engram-on-disk (rank {rank} of {cfg.tp}): {type(exc).__name__}: {exc}")
+        folder = os.environ.get("DOUBLE_RECORD_DIR")
+        if folder:
+            try:
+                os.makedirs(folder, exist_ok=True)
+                path = os.path.join(folder, f"engram-rows-rank{rank}.json")
+                with open(path + ".tmp", "w", encoding="utf-8") as fh:
+                    json.dump(record, fh, indent=1, sort_keys=True)
+                os.replace(path + ".tmp", path)
+            except OSError as exc:
+                log(f"cannot write the Engram rows record to {folder}: {exc}", "WARNING")
+
+
+_ple_maps: list = []  # keep the mmaps alive for the life of the process
+
+
+# The released SGLang's PLE table contract (sglang 0.5.23), reproduced so the cluster tests fail
+# when deployctl and the engine disagree. Each rule names the upstream function it follows.
+
+def _next_prime(n: int) -> int:
+    """sympy.nextprime: the smallest prime > n (the Engram section's Miller-Rabin test)."""
+    n += 1
+    while not _engram_is_prime(n):
+        n += 1
+    return n
+
+
+def ple_text_config(model: str) -> dict:
+    """config.json's text_config (configs/qwen4_exp.py: the nested config is authoritative)."""
+    with open(os.path.join(model, "config.json")) as f:
+        doc = json.load(f)
+    return doc.get("text_config") if isinstance(doc.get("text_config"), dict) else doc
+
+
+def ple_rank_files(model: str, tp: int, table_dir: str) -> list[dict]:
+    """The file every TP rank maps: qwen4_exp.py Qwen4ExpNGramEmbedding.__init__ (primes, padding to
+    make_ngram_vocab_size_divisible_by), vocab_parallel_embedding.py (pad to 64, divide by TP,
+    _get_indices), qwen4_exp_ple_table.py ple_table_file_name (tag rows{start}-{end})."""
+    tc = ple_text_config(model)
+    heads = (int(tc.get("ngram_size", 3)) - 1) * int(tc.get("heads_per_ngram", 8))
+    base = int(tc.get("ngram_vocab_size_base", 20000000))
+    total, prime = 0, base - 1
+    for _ in range(heads):             # ple_layer_index 0: the 1st..heads-th primes after base - 1
+        prime = _next_prime(prime)
+        total += prime
+    div = int(tc.get("make_ngram_vocab_size_divisible_by", 128))
+    org = (total + div - 1) // div * div
+    padded = (org + 63) // 64 * 64
+    if padded % tp:
+        die(1, f"AssertionError: {padded} is not divisible by {tp} (vocab_parallel_embedding divide)")
+    per = padded // tp
+    width = int(tc.get("ple_embed_dim") or tc.get("hidden_size")) // heads
+    fp8 = tc.get("ple_embedding_dtype") == "float8_e4m3fn"
+    dtype, elem = ("float8_e4m3fn", 1) if fp8 else ("bfloat16", 2)
+    split = int(tc.get("split_ngram_parts", 512))
+    out = []
+    for r in range(tp):
+        start, end = min(r * per, org), min((r + 1) * per, org)
+        nbytes = per * width * elem
+        name = f"ple_table_{per}x{width}_{dtype}_{nbytes}B_rows{start}-{end}.bin"
+        out.append({"rank": r, "path": os.path.join(table_dir, name), "rows": per, "width": width,
+                    "elem": elem, "bytes": nbytes, "start": start, "end": end, "org": org,
+                    "stride": -(-org // split)})
+    return out
+
+
+def _safetensors_index(model: str) -> dict[str, tuple[str, int, int, str]]:
+    """tensor name -> (file, data byte offset, byte length, dtype), from headers only."""
+    files = sorted(n for n in os.listdir(model) if n.endswith(".safetensors"))
+    out = {}
+    for name in files:
+        path = os.path.join(model, name)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        for t, meta in header.items():
+            if t != "__metadata__":
+                lo, hi = meta["data_offsets"]
+                out[t] = (path, 8 + n + lo, hi - lo, meta["dtype"])
+    return out
+
+
+def ple_load_shards(model: str, table: dict, mm: mmap.mmap) -> int:
+    """qwen4_exp.py load_weights -> load_qwen4_exp_ple_shard / copy_ple_rows_to_tp_embedding: every
+    checkpoint shard i is copied to global rows [i * stride, + its rows), clipped to the rank's
+    shard. Returns the bytes written into the mapping."""
+    rb = table["width"] * table["elem"]
+    written = 0
+    shard_re = re.compile(r"\.ngram_embedding\.shard_(\d+)\.weight$")
+    for name, (path, off, length, _dtype) in sorted(_safetensors_index(model).items()):
+        m = shard_re.search(name)
+        if not m:
+            continue
+        g0 = int(m.group(1)) * table["stride"]
+        rows = length // rb
+        lo, hi = max(g0, table["start"]), min(g0 + rows, table["end"])
+        if lo >= hi:
+            continue
+        with open(path, "rb") as f:
+            f.seek(off + (lo - g0) * rb)
+            dst = (lo - table["start"]) * rb
+            left = (hi - lo) * rb
+            while left:
+                piece = f.read(min(left, 8 << 20))
+                mm[dst:dst + len(piece)] = piece
+                dst, left, written = dst + len(piece), left - len(piece), written + len(piece)
+    mm.flush()
+    return written
+
+
+def ple_prewritten_verdict(path: str, nbytes: int, model: str) -> tuple[bool, str] | None:
+    """The image's patch package (SGLANG_EXTERNAL_MODEL_PACKAGE, deployctl_sglang_ple), as the real
+    engine loads it: its verdict on the table, or None when no package is configured."""
+    pkg = os.environ.get("SGLANG_EXTERNAL_MODEL_PACKAGE")
+    if not pkg:
+        return None
+    try:
+        import importlib
+        mod = importlib.import_module(f"{pkg}.prewritten")
+    except ImportError as exc:
+        die(1, f"SGLANG_EXTERNAL_MODEL_PACKAGE={pkg}: cannot import it ({exc})")
+    return mod.verdict(path, nbytes, model)
 
 
 def check_ple(cfg: Config) -> None:
     if cfg.engine != "sglang":
         return
-    backend = cfg.flags.get("ple-offload-backend")
-    if backend is None:
+    backend = cfg.flags.get("ple-offload-backend", "pinned")
+    embedding = cfg.flags.get("ple-offload-embedding")
+    if backend == "file" and not embedding:
+        # arg_groups/memory_hook.py handle_offload_compatibility (the default for an fp8 table is off)
+        die(6, "ValueError: --ple-offload-backend file requires --ple-offload-embedding: the "
+               "file-backed table is the offloaded table.")
+    if not embedding:
         return
     if backend == "pinned":
         log("PLE table offload: pinned host memory (simulated; nothing read)")
         return
     folder = cfg.flags.get("ple-offload-dir")
     if not folder or folder is True:
-        die(6, "--ple-offload-backend file needs --ple-offload-dir DIR (no folder given)")
-    if not os.path.isdir(folder):
-        die(6, f"PLE offload dir {folder} does not exist")
-    tables = sorted(n for n in os.listdir(folder) if n.startswith("ple_table_") and n.endswith(".bin"))
-    if len(tables) != 1:
-        found = ", ".join(tables) if tables else "none"
-        die(6, f"PLE offload dir {folder} must hold exactly one ple_table_*.bin, found {len(tables)} ({found})")
-    path = os.path.join(folder, tables[0])
-    size = os.path.getsize(path)
-    if size == 0:
-        die(6, f"PLE table {path} is empty")
-    m = re.search(r"_(\d+)B\.bin$", tables[0])
-    if m and int(m.group(1)) != size:
-        die(6, f"PLE table {path} is {size} bytes but its name says {m.group(1)} bytes (truncated copy?)")
+        folder = os.path.join(os.environ.get("SGLANG_QWEN4_PLE_FILE_DIR", "/root/.cache/sglang/ple"),
+                              re.sub(r"[^A-Za-z0-9._-]+", "_", cfg.model.rstrip("/")).strip("_") or "model")
+    tp = int(cfg.flags.get("tp-size", cfg.flags.get("tensor-parallel-size", 1)))
     try:
-        with open(path, "rb") as fh:
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as exc:
-        die(6, f"cannot memory-map PLE table {path}: {exc}")
-    _ple_maps.append(mm)
-    log(f"PLE table memory-mapped read-only: {path} ({size} bytes, {size / 2**30:.3f} GiB)")
+        tables = ple_rank_files(cfg.model, tp, folder)
+    except (OSError, ValueError, KeyError) as exc:
+        die(6, f"cannot size the PLE table from {cfg.model}/config.json: {exc}")
+    for t in tables:
+        path, nbytes = t["path"], t["bytes"]
+        t0 = time.monotonic()
+        try:
+            # allocate_ple_host_table: create / truncate to size, then a shared read-write mapping
+            os.makedirs(folder, exist_ok=True)
+            if not os.path.exists(path) or os.path.getsize(path) != nbytes:
+                with open(path, "wb") as f:
+                    f.truncate(nbytes)
+            fh = open(path, "r+b")
+            mm = mmap.mmap(fh.fileno(), nbytes, access=mmap.ACCESS_WRITE)
+        except OSError as exc:
+            die(6, f"PLE table: cannot map {path} read-write (torch.from_file(shared=True)): {exc}")
+        _ple_maps.append((fh, mm))
+        log(f"PLE table: file-backed mmap {path} ({nbytes / 2**30:.3f} GiB, rank {t['rank']})")
+        verdict = ple_prewritten_verdict(path, nbytes, cfg.model)
+        if verdict and verdict[0]:
+            log(f"PLE table kept: {verdict[1]}; 0 bytes written")
+            continue
+        why = verdict[1] if verdict else "no patch package (upstream loader)"
+        written = ple_load_shards(cfg.model, t, mm)
+        log(f"PLE table written by the loader: {why}; {written} bytes in {time.monotonic() - t0:.2f} s")
 
 
 # ------------------------------------------------------------------------------------- rendezvous
