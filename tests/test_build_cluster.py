@@ -14,7 +14,7 @@ import yaml
 pytestmark = pytest.mark.cluster
 
 IMAGE = "dctl-engine:test"
-STEPS = ["c-ext", "overlay1", "overlay3", "overlay4", "overlay5", "patch", "engine-double"]
+STEPS = ["nightly", "c-ext", "overlay1", "overlay3", "overlay4", "overlay5", "patch", "engine-double"]
 
 
 def tags(cluster, host: str) -> set[str]:
