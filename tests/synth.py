@@ -126,6 +126,8 @@ def recipe_config(recipe: Recipe) -> dict:
     return {"synthetic": True, "architectures": ["Qwen4ExpForConditionalGeneration"],
             "model_type": "qwen4_exp",
             "text_config": {"model_type": "qwen4_exp_text", "ple_layer_ids": [g.layers[0] + 1],
+                            # what Qwen4ExpNGramEmbedding.__init__ also reads (hash multipliers, EOS)
+                            "vocab_size": 248320, "eos_token_id": 248044, "num_hidden_layers": 48,
                             "ngram_size": max(g.orders), "heads_per_ngram": g.heads_per_order,
                             "ngram_vocab_size_base": g.vocab_per_order[0],
                             "ple_embed_dim": heads * g.row_values, "hidden_size": heads * g.row_values,
