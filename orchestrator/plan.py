@@ -1,4 +1,6 @@
-"""The plan: what `up` will do, stage by stage and host by host. Pure: no I/O, no executors.
+"""The plan: what `up` will do, stage by stage and host by host. Data only: no I/O, no executors.
+Plans are built by the stage registry (`orchestrator.stages.build_plan`); each StagePlan carries
+the Stage that applies it.
 
 Each action describes itself (the exact command or API call) for `plan` and
 `--dry-run`, and carries a digest of its inputs so a re-run can skip what is done.
@@ -6,12 +8,20 @@ Each action describes itself (the exact command or API call) for `plan` and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from . import schema
 from .deployment import Deployment
 
 PLAN_VERSION = 1
+
+
+class AppliesStage(Protocol):
+    """What a StagePlan carries to be applied: an `orchestrator.stages.base.Stage` (named by shape
+    here, not imported: plan.py is data, below the stages)."""
+    name: str
+
+    def apply(self, dep: Deployment, actions: list, ctx: Any) -> list: ...
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,7 @@ class StagePlan:
     name: str
     actions: tuple[Action, ...]
     note: str = ""                        # e.g. why a stage has nothing to do for this recipe
+    stage: AppliesStage | None = field(default=None, compare=False, repr=False)   # what applies it
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "actions": [a.to_json() for a in self.actions]}
@@ -78,29 +89,3 @@ class Plan:
             "stages": [s.to_json() for s in self.stages],
         }
         return mask_data(doc)
-
-
-# Stages that need the model to fit in memory: a plan with one of them refuses a recipe that cannot.
-NEEDS_FIT = ("preflight", "launch")
-
-
-def build_plan(dep: Deployment, only: tuple[str, ...] = (), skip: tuple[str, ...] = (),
-               require_fit: bool = True) -> Plan:
-    """The plan; with `require_fit` (what `up` and the stage commands use) a plan that includes
-    preflight or launch raises InputError (exit 2) naming each node that cannot hold its budget,
-    the shortfall and the fix. `deployctl plan` passes False: it prints the budget, then exits 2."""
-    from .stages import STAGES, select
-    names = select(only, skip)
-    if require_fit and any(n in names for n in NEEDS_FIT):
-        from .sizing import require_fit as check
-        check(dep)
-    stages = []
-    for st in STAGES:
-        if st.name not in names:
-            continue
-        actions, note = st.plan(dep)
-        stages.append(StagePlan(st.name, tuple(actions), note))
-    extra: dict[str, Any] = {}
-    from .sizing import plan_extra
-    extra.update(plan_extra(dep))
-    return Plan(dep, tuple(stages), extra)

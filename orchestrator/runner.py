@@ -10,10 +10,9 @@ from typing import Any
 from rich.markup import escape
 
 from .errors import DeployctlError
-from .plan import Plan
+from .outcomes import HostResult
+from .plan import Plan, StagePlan
 from .runrecord import RunContext
-from .stages import get as get_stage
-from .stages.base import HostResult
 
 
 @dataclass
@@ -68,7 +67,6 @@ def run(plan: Plan, ctx: RunContext, command: str = "up") -> RunOutcome:
             if ctx.cancel.is_set():
                 status, code = "cancelled", 130
                 break
-            st = get_stage(sp.name)
             ctx.event("stage-start", stage=sp.name, actions=len(sp.actions))
             t0 = time.monotonic()
             if not sp.actions:
@@ -77,7 +75,7 @@ def run(plan: Plan, ctx: RunContext, command: str = "up") -> RunOutcome:
                 ctx.event("stage-end", stage=sp.name, status="skipped", note=sp.note)
                 continue
             ctx.say(f"[bold]> {sp.name}[/bold] ({len(sp.actions)} action(s))")
-            results = st.apply(plan.deployment, list(sp.actions), ctx)
+            results = _stage_of(sp).apply(plan.deployment, list(sp.actions), ctx)
             failed = [r for r in results if r.status == "failed"]
             st_status = "failed" if failed else (
                 "skipped" if results and all(r.status == "skipped" for r in results) else "ok")
@@ -104,6 +102,14 @@ def run(plan: Plan, ctx: RunContext, command: str = "up") -> RunOutcome:
                                    **outcome.to_json()})
     ctx.event("run-end", status=status, exit_code=code)
     return outcome
+
+
+def _stage_of(sp: StagePlan):
+    """The Stage a StagePlan carries (`orchestrator.stages.build_plan` puts it there)."""
+    if sp.stage is None:
+        raise DeployctlError(f"internal error: the plan's stage {sp.name!r} carries no Stage to apply it "
+                             "(build plans with orchestrator.stages.build_plan)")
+    return sp.stage
 
 
 def say_results(ctx: RunContext, results: list[HostResult]) -> None:

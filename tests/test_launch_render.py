@@ -176,7 +176,7 @@ def test_fabric_override_is_checked():
 # -- boot 10's runtime (docs/deepseek-runtime-contract.md) -----------------------------------------
 
 def test_dsv41_tp4_dry_run_carries_boot10_runtime():
-    from orchestrator.plan import build_plan
+    from orchestrator.stages import build_plan
     dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
     fab = {h.name: Fabric("enp1s0f0np0", f"192.168.192.{h.rank + 1}", ("rocep1s0f0", "rocep1s0f1"), "t",
                           hca="rocep1s0f0", network="192.168.192.0/24") for h in dep.cluster.hosts}

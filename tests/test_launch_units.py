@@ -22,9 +22,11 @@ from orchestrator.launch.containers import _parse_time, parse_list, run_argv
 from orchestrator.launch.lock import lock_path
 from orchestrator.launch.render import SPEC_LABEL, container_spec
 from orchestrator.paths import INVENTORIES_DIR
-from orchestrator.plan import Action, Plan, StagePlan, build_plan
+from orchestrator.outcomes import HostFailure, run_per_host
+from orchestrator.plan import Action, Plan, StagePlan
 from orchestrator.runrecord import RunContext
-from orchestrator.stages.base import HostFailure, Stage, run_per_host
+from orchestrator.stages import build_plan
+from orchestrator.stages.base import Stage
 
 DOUBLE = Path(__file__).resolve().parent / "engine_double" / "engine_double.py"
 
@@ -121,7 +123,8 @@ def test_lock_path_is_safe():
 
 def _fake_plan(dep, apply):
     stage = Stage("launch", lambda d: ([], ""), apply)
-    plan = Plan(dep, (StagePlan("launch", tuple(Action("launch", h.name, "x", "x") for h in dep.cluster.hosts)),))
+    plan = Plan(dep, (StagePlan("launch", tuple(Action("launch", h.name, "x", "x") for h in dep.cluster.hosts),
+                                stage=stage),))
     return stage, plan
 
 
@@ -139,7 +142,6 @@ def test_ctrl_c_cancels_worker_threads_at_once_and_runs_the_cleanups(tmp_path, m
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
         return run_per_host(actions, ctx, one)
     stage, plan = _fake_plan(dep, apply)
-    monkeypatch.setattr(runner, "get_stage", lambda name: stage)
     ctx = RunContext(tmp_path / "run")
     before = signal.getsignal(signal.SIGINT)
     t0 = time.monotonic()
@@ -160,7 +162,6 @@ def test_a_failed_stage_runs_the_failure_cleanups(tmp_path, monkeypatch):
         ctx.options.setdefault("failure_cleanups", []).append(lambda: cleaned.append("removed"))
         return run_per_host(actions, ctx, lambda a, log: (_ for _ in ()).throw(HostFailure("boom")))
     stage, plan = _fake_plan(dep, apply)
-    monkeypatch.setattr(runner, "get_stage", lambda name: stage)
     ctx = RunContext(tmp_path / "run")
     out = runner.run(plan, ctx, "up")
     ctx.close()

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.deployment import load_deployment
 from orchestrator.paths import INVENTORIES_DIR
-from orchestrator.plan import build_plan
+from orchestrator.stages import build_plan
 
 STAGE_ORDER = ["preflight", "build", "ship", "sync-model", "stage-engram", "write-ple", "launch",
                "health"]
@@ -75,7 +75,7 @@ def test_only_and_skip():
 def test_planning_is_pure():
     """Planning never imports the executors (Docker SDK, paramiko, ansible-runner)."""
     code = ("import sys; from orchestrator.deployment import load_deployment; "
-            "from orchestrator.plan import build_plan; "
+            "from orchestrator.stages import build_plan; "
             f"build_plan(load_deployment({str(INVENTORIES_DIR / 'spark4.yml')!r})); "
             "bad = [m for m in ('docker', 'paramiko', 'ansible_runner') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")

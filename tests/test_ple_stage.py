@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from orchestrator.cli import cli
 from orchestrator.deployment import load_deployment
-from orchestrator.plan import build_plan
+from orchestrator.stages import build_plan
 from orchestrator.recipe import load_recipe
 from orchestrator.stages.write_ple import spec_for
 from orchestrator.tables import ple_write as P

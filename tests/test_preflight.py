@@ -38,7 +38,8 @@ def test_plan_states_every_command_and_the_sizing_needs():
     d = a.details
     assert d["arch"] == "x86_64" and d["host_ram_need_gb"] == 64.0 and d["nvme"] == []
     assert d["commands"]["gpus"] == [["nvidia-smi", "-L"]]
-    assert d["commands"]["docker"] == [["docker", "info", "--format", "{{json .}}"]]  # the host's default engine
+    assert d["commands"]["docker"] == [["docker", "-H", "unix:///var/run/docker.sock", "info", "--format",
+                                        "{{json .}}"]]            # the default engine, named (one -H rule)
     assert "nvidia-smi -L" in a.api and "'{{json .}}'" in a.api                      # quoted as run
     s = actions(INVENTORIES_DIR / "spark4.yml")["spark3"].details
     assert s["arch"] == "aarch64" and s["host_ram_need_gb"] == 0
@@ -187,3 +188,32 @@ def cli_images_absent(cluster, host: str) -> bool:
     """Nothing was built or loaded on the host: its engine has no deployctl image."""
     r = cluster.nsexec(host, ["docker", "images", "--format", "{{.Repository}}:{{.Tag}}"])
     return "dctl-engine:test" not in r.stdout
+
+
+@pytest.mark.cluster
+def test_docker_checks_target_the_inventory_engine_not_the_login_docker_host(cluster, base_images, tmp_path):
+    """One -H rule: node2 keeps the default engine in the inventory (no docker_host) while its SSH
+    login sets DOCKER_HOST to its own test engine (sshd SetEnv). Preflight must ask the default engine
+    (`docker -H unix:///var/run/docker.sock`, as launch and ship do), not the login's. Seen through the
+    memory gate's `docker ps`: a running container of the deployment exists on the default engine only."""
+    default = "unix:///var/run/docker.sock"
+    dep = f"onerule-{os.getpid()}"
+    inv = _inventory(cluster, tmp_path, deployment=dep)
+    doc = yaml.safe_load(inv.read_text())
+    del doc["all"]["hosts"]["node2"]["docker_host"]
+    inv.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = subprocess.run(["docker", "-H", default, "run", "-d", "--rm", "--network", "none", "--label",
+                        f"deployctl.deployment={dep}", base_images[0], "sleep", "300"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    try:
+        p = cli("plan", "-i", str(inv), "--check", "--json", "--set", "engine.min_mem_available_gib=0.5",
+                cwd=tmp_path)
+    finally:
+        subprocess.run(["docker", "-H", default, "rm", "-f", r.stdout.strip()], capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    results = json.loads(p.stdout)["preflight"]["stages"][0]["results"]
+    ram = {x["host"]: next(c for c in x["data"]["checks"] if c["name"] == "ram")["detail"] for x in results}
+    assert "the deployment's engine runs here" in ram["node2"], ram          # asked the default engine
+    for n in ("node1", "node3", "node4"):                                     # their own engines: none there
+        assert "the deployment's engine runs here" not in ram[n] and "(memory gate)" in ram[n], ram

@@ -22,7 +22,7 @@ import pytest
 
 from orchestrator.cli import cli
 from orchestrator.deployment import load_deployment
-from orchestrator.plan import build_plan
+from orchestrator.stages import build_plan
 
 REPO = Path(__file__).resolve().parents[1]
 RUNBOOKS = REPO / "docs" / "runbooks"

@@ -7,9 +7,10 @@ import subprocess
 from orchestrator import runner
 from orchestrator.deployment import load_deployment
 from orchestrator.paths import INVENTORIES_DIR
+from orchestrator.outcomes import HostFailure, HostResult, HostResults, run_per_host
 from orchestrator.plan import Action, Plan, StagePlan
 from orchestrator.runrecord import RunContext
-from orchestrator.stages.base import HostFailure, Stage, run_per_host
+from orchestrator.stages.base import Stage
 
 SECRET = "hf_abcdefghijklmnop0123"
 
@@ -29,12 +30,12 @@ def test_run_record_and_failure_report(tmp_path, monkeypatch):
     dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
     ok = "echo hello; echo fine"
     bad = f"echo loading; echo token {SECRET}; echo 'CUDA error: out of memory'; exit 3"
-    stage = Stage("launch", lambda d: ([], ""), _apply)
-    monkeypatch.setattr(runner, "get_stage", lambda name: stage)
-    plan = Plan(dep, (
+    launch = Stage("launch", lambda d: ([], ""), _apply)
+    health = Stage("health", lambda d: ([], ""), _apply)
+    plan = Plan(dep, (      # each StagePlan carries the Stage that applies it: no lookup by name
         StagePlan("launch", tuple(Action("launch", h.name, "sh", "test", command=(bad if h.rank == 2 else ok,))
-                                  for h in dep.cluster.hosts)),
-        StagePlan("health", (Action("health", "spark1", "sh", "never runs", command=(ok,)),)),
+                                  for h in dep.cluster.hosts), stage=launch),
+        StagePlan("health", (Action("health", "spark1", "sh", "never runs", command=(ok,)),), stage=health),
     ))
     ctx = RunContext(tmp_path / "run")
     out = runner.run(plan, ctx, "up")
@@ -63,3 +64,32 @@ def test_run_record_and_failure_report(tmp_path, monkeypatch):
     for h in ("spark1", "spark2", "spark3", "spark4"):
         assert (tmp_path / "run" / "logs" / h / "launch.log").exists()
     assert SECRET not in (tmp_path / "run" / "events.jsonl").read_text()
+
+
+def test_run_per_host_returns_a_result_set(tmp_path):
+    """One runner for every per-host step: a list of HostResult with .succeeded and .failed."""
+    acts = [Action("launch", h, "sh", "x") for h in ("a", "b", "c")]
+
+    def one(action, log):
+        if action.host == "b":
+            raise HostFailure("no", rc=2)
+        return HostResult(action.host, "launch", "skipped", "done already") if action.host == "c" else None
+    ctx = RunContext(tmp_path / "run")
+    res = run_per_host(acts, ctx, one)
+    ctx.close()
+    assert isinstance(res, list) and isinstance(res, HostResults)
+    assert [r.host for r in res] == ["a", "b", "c"]
+    assert [r.host for r in res.succeeded] == ["a", "c"] and [r.host for r in res.failed] == ["b"]
+    assert res.failed[0].rc == 2 and not res.ok
+    both = res + [HostResult("d", "launch", "ok")]
+    assert isinstance(both, HostResults) and [r.host for r in both.succeeded] == ["a", "c", "d"]
+    assert run_per_host([], ctx, one) == [] and run_per_host([], ctx, one).ok
+
+
+def test_a_stage_plan_without_its_stage_is_an_internal_error(tmp_path):
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
+    plan = Plan(dep, (StagePlan("launch", (Action("launch", "spark1", "sh", "x"),)),))
+    ctx = RunContext(tmp_path / "run")
+    out = runner.run(plan, ctx, "up")
+    ctx.close()
+    assert out.status == "error" and out.exit_code == 1 and "carries no Stage" in out.error

@@ -13,7 +13,7 @@ import yaml
 from orchestrator.deployment import load_deployment
 from orchestrator.errors import InputError
 from orchestrator.paths import INVENTORIES_DIR
-from orchestrator.plan import build_plan
+from orchestrator.stages import build_plan
 from orchestrator.sizing import GIB, size
 
 INV = {n: INVENTORIES_DIR / f"{n}.yml" for n in ("spark1", "spark4", "spark8", "rtx1")}

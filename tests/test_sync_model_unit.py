@@ -17,7 +17,7 @@ from orchestrator.modelsync.manifest import Manifest, Verdict
 from orchestrator.modelsync.progress import Progress
 from orchestrator.modelsync.shared import problems
 from orchestrator.paths import INVENTORIES_DIR
-from orchestrator.plan import build_plan
+from orchestrator.stages import build_plan
 
 HOSTSIDE = Path(__file__).resolve().parents[1] / "orchestrator" / "modelsync" / "hostside.py"
 

@@ -12,8 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..deployment import load_deployment
-from ..plan import build_plan
 from ..secrets import mask_text
+from ..stages import build_plan
 from .common import STDERR, deployment_options, emit_json, handle_errors
 from .pipeline import run_host_command, run_stages
 from .render import print_plan
@@ -230,9 +230,8 @@ def down_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run):
     def one(action, log):
         from ..launch.containers import remove_all
         from ..launch.remote import HostShell
-        from ..stages.base import HostResult
         from ..executors.ssh import SSHError
-        from ..stages.base import HostFailure
+        from ..outcomes import HostFailure, HostResult
         sh = HostShell(dep, dep.cluster.host(action.host), connect_timeout=10.0)
         try:
             gone = remove_all(sh, dep.name)

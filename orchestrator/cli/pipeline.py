@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..deployment import Deployment, load_deployment
-from ..plan import Action, build_plan
+from ..outcomes import HostResult, run_per_host
+from ..plan import Action
 from ..runner import describe_failure, run, say_results
 from ..runrecord import HostLog, RunContext, new_run_dir
-from ..stages.base import HostResult, run_per_host
+from ..stages import build_plan
 from .common import STDERR, emit_json
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..deployment import load_deployment
-from ..plan import build_plan
+from ..stages import build_plan
 from .common import STDERR, deployment_options, emit_json, handle_errors
 from .render import print_plan
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 import click
 
 from ..deployment import load_deployment
-from ..plan import build_plan
-from ..stages import select
+from ..stages import build_plan, select
 from .common import deployment_options, emit_json, handle_errors
 from .launch_cmd import keep_option
 from .pipeline import run_stages

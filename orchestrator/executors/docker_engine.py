@@ -33,7 +33,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import shlex
 import tarfile
 import threading
 import time
@@ -46,6 +45,7 @@ import requests.exceptions
 from docker.transport.sshconn import SSHConnection, SSHConnectionPool, SSHHTTPAdapter
 
 from ..errors import DeployctlError
+from .docker_cli import docker_sh
 
 if TYPE_CHECKING:
     from ..inventory import Cluster, Host
@@ -153,7 +153,7 @@ def client_for(host: "Host", *, known_hosts_file: str | None = None, host_key_ch
     target = SSHTarget(host=host.name, address=host.address, port=host.port, user=host.user,
                        key_file=host.key_file, known_hosts_file=known_hosts_file,
                        check_host_keys=host_key_checking, connect_timeout=connect_timeout)
-    command = " ".join(shlex.quote(a) for a in ("docker", "-H", host.docker_host, "system", "dial-stdio"))
+    command = docker_sh(host, "system", "dial-stdio")      # the one -H rule (docker_cli.py)
     adapter = _TunnelAdapter(target.connect, command, timeout, connect_timeout)   # SSHError: names the host
     try:
         api = _TunnelAPIClient(adapter, host.ssh_url, timeout)

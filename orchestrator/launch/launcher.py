@@ -26,11 +26,11 @@ from rich.markup import escape
 
 from ..deployment import Deployment
 from ..errors import InputError
+from ..outcomes import HostFailure, HostResult
 from ..plan import Action
 from ..runrecord import HostLog, RunContext
-from ..stages.base import HostFailure, HostResult
 from . import api, probe
-from .containers import Container, memory_gate, remove_all, start
+from .containers import Container, memory_gate, remove_all, run_argv, start
 from .fabric import Fabric, choose_fabric
 from .lifecycle import remove_everywhere
 from .remote import Shells, parallel, run_shells
@@ -166,7 +166,8 @@ class _Launch:
                     for n in self.names]
         ctx.say(f"  launching: {escape(why)}")
         for n in self.names:
-            self.logs[n].write(f"launching ({why}): {' '.join(specs[n].docker_run_argv())}")
+            self.logs[n].write(f"launching ({why}): "
+                               f"{' '.join(run_argv(specs[n], self.dep.cluster.host(n).docker_host))}")
 
         # Every node is cleared before any starts. Ctrl-C from here on removes what was started.
         cleanup = _cleanup(dep, ctx, self.names)

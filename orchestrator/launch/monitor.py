@@ -21,9 +21,9 @@ from typing import Any
 from rich.markup import escape
 
 from ..deployment import Deployment
+from ..outcomes import HostResult
 from ..plan import Action
 from ..runrecord import HostLog, RunContext
-from ..stages.base import HostResult
 from . import api
 from .containers import Container, list_containers, logs_tail
 from .remote import Shells, parallel, run_shells

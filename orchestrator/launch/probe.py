@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..stages.base import HostFailure
+from ..outcomes import HostFailure
 from ..tables.geometry import rank_ranges
 from .commands import read_argv
 from .containers import Container, parse_list

@@ -12,6 +12,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TypeVar
 
+from ..executors.docker_cli import docker_argv
 from ..executors.ssh import Result, SSHError, SSHSession, SSHTarget, SSHTimeout
 
 if TYPE_CHECKING:
@@ -36,8 +37,8 @@ class HostShell:
         self._lock = threading.Lock()
 
     def docker(self, *args: str) -> list[str]:
-        """`docker -H <this host's engine> ARGS...` as an argv."""
-        return ["docker", "-H", self.host.docker_host, *args]
+        """`docker -H <this host's engine> ARGS...` as an argv (executors/docker_cli.py)."""
+        return docker_argv(self.host, *args)
 
     def run(self, argv: Sequence[str], timeout: float = 60.0, stdin: str | None = None) -> Result:
         with self._lock:

@@ -5,8 +5,8 @@ from typing import Any
 
 from ..errors import InputError
 from ..executors.ssh import SSHError
+from ..outcomes import HostFailure, HostResult
 from ..runrecord import HostLog, RunContext
-from ..stages.base import HostFailure, HostResult
 from .remote import short_reason
 
 

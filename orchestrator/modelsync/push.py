@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..stages.base import HostFailure, HostResult, run_per_host
+from ..outcomes import HostFailure, HostResult, run_per_host
 from . import remote
 from .manifest import Manifest, Verdict, gb
 from .progress import Progress

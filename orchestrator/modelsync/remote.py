@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..stages.base import HostFailure
+from ..outcomes import HostFailure
 from .hostside import BOOTSTRAP
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ import os
 import secrets
 from typing import TYPE_CHECKING
 
-from ..stages.base import HostFailure, HostResult
+from ..outcomes import HostFailure, HostResult
 from . import remote
 from .manifest import Manifest, Verdict
 from .push import STAGE, head_first, head_manifest, verify

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..executors.docker_cli import docker_argv
 from .layers import layers_to_send, present_chains
 
 if TYPE_CHECKING:
@@ -43,10 +44,6 @@ class Timeouts:
     deadline_s: float = 7200.0    # the whole transfer (docker save + streams + loads)
     load_s: float = 1800.0        # a worker's docker load after its last byte
     head_silence_s: float = 60.0  # no line from the agent this long: the head is lost
-
-
-def docker_argv(docker_host: str, *args: str) -> list[str]:
-    return ["docker", "-H", docker_host, *args]
 
 
 def short(image_id: str) -> str:
@@ -195,14 +192,14 @@ def worker_ssh_argv(worker: "Host", cluster: "Cluster", key_file: str | None, kn
         argv += ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"]
     # the relay on the worker stops docker load when the head goes quiet (see relay.py)
     remote = ["python3", "-c", (HERE / "relay.py").read_text(), f"{t.stall_s:g}",
-              *docker_argv(worker.docker_host, "load")]
+              *docker_argv(worker, "load")]
     return argv + [f"{worker.user}@{worker.address}", shlex.join(remote)]
 
 
 def agent_spec(head: HeadImage, head_host: "Host", sends: dict[str, list[int]], argvs: dict[str, list[str]],
                need_files: list[str], t: Timeouts) -> dict[str, Any]:
     return {"image_id": head.id, "diff_ids": list(head.diff_ids),
-            "save": docker_argv(head_host.docker_host, "save", head.id),
+            "save": docker_argv(head_host, "save", head.id),
             "workers": [{"name": n, "argv": argvs[n], "send": sends[n]} for n in sorted(sends)],
             "need_files": need_files, "stall_s": t.stall_s, "deadline_s": t.deadline_s,
             "load_timeout_s": t.load_s, "progress_s": 0.5, "queue": 8,

@@ -13,8 +13,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from ..executors.docker_cli import docker_sh
+from ..imagechain import lock as locks
+from ..imagechain.spec import check_inputs, load_chain
+from ..outcomes import HostResult, run_per_host
 from ..plan import Action
-from .base import HostResult, Stage, run_per_host
+from .base import Stage
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
@@ -24,8 +28,6 @@ REPORT_FILE = "build-report.json"
 
 
 def plan(dep: "Deployment") -> tuple[list[Action], str]:
-    from ..imagechain.spec import load_chain
-
     e, head = dep.recipe.engine, dep.cluster.head_host
     if not e.chain:
         return [], f"engine.chain is not set: image {e.image} is used as it is"
@@ -37,7 +39,7 @@ def plan(dep: "Deployment") -> tuple[list[Action], str]:
     act = Action(
         "build", head.name, "docker-build",
         f"build {e.image} from chain {chain.name} ({len(steps)} steps, cached per step) on {head.name}'s engine",
-        api=(f"Docker SDK at {head.ssh_url} (docker -H {head.docker_host} system dial-stdio): per step, "
+        api=(f"Docker SDK at {head.ssh_url} ({docker_sh(head, 'system', 'dial-stdio')}): per step, "
              f"inspect deployctl-cache/{chain.name}:<step>-<digest>, build the missing ones, tag {e.image}"),
         details={"image": e.image, "chain": chain.name, "chain_file": str(chain.chain_file),
                  "lock_file": str(chain.lock_file), "base": chain.lock.base.image,
@@ -47,8 +49,6 @@ def plan(dep: "Deployment") -> tuple[list[Action], str]:
 
 
 def apply(dep: "Deployment", actions: list[Action], ctx: "RunContext") -> list[HostResult]:
-    from ..imagechain.spec import check_inputs, load_chain
-
     opts = ctx.options
     e = dep.recipe.engine
     assert e.chain
@@ -63,7 +63,6 @@ def apply(dep: "Deployment", actions: list[Action], ctx: "RunContext") -> list[H
 
 def _build_on(dep, action, log, ctx, chain, notes) -> HostResult:
     from ..executors import docker_engine as de
-    from ..imagechain import lock as locks
     from ..imagechain.builder import ChainBuilder, ChainFailed
 
     opts, e = ctx.options, dep.recipe.engine

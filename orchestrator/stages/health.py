@@ -30,6 +30,8 @@ def plan(dep):
 
 def apply(dep, actions, ctx):
     """One loop over all hosts and the API (orchestrator/launch/monitor.py)."""
+    # Imported here, not at the top: monitor reaches paramiko (executors/ssh.py), and planning must
+    # not import the executors' libraries (tests/test_plan.py test_planning_is_pure). Not a cycle.
     from ..launch import monitor
     return monitor.apply(dep, actions, ctx)
 

@@ -1,6 +1,7 @@
 """launch: the engine containers on every host."""
 from __future__ import annotations
 
+from ..executors.docker_cli import docker_argv
 from ..launch.render import container_spec
 from ..plan import Action
 from .base import Stage
@@ -14,7 +15,8 @@ def plan(dep):
         role = "head" if h.name == dep.cluster.head else "worker"
         acts.append(Action("launch", h.name, "docker-run",
                            f"start {e.kind} rank {h.rank} ({role}) from {e.image} on {h.name}",
-                           command=tuple(spec.docker_run_argv()), details={"container": spec.to_json()},
+                           command=tuple(docker_argv(h, *spec.docker_run_argv()[1:])),
+                           details={"container": spec.to_json()},
                            digest=spec.digest))
     return acts, ""
 
@@ -22,6 +24,8 @@ def plan(dep):
 def apply(dep, actions, ctx):
     """Probe every host, refuse early, clear every host, start the head then the workers
     (orchestrator/launch/launcher.py); a cluster already running this spec is skipped."""
+    # Imported here, not at the top: launcher reaches paramiko (executors/ssh.py), and planning must
+    # not import the executors' libraries (tests/test_plan.py test_planning_is_pure). Not a cycle.
     from ..launch import launcher
     return launcher.apply(dep, actions, ctx)
 

@@ -5,7 +5,8 @@ checks, each run even when an earlier one failed (only a host without SSH skips 
 
   ssh     reachable, with a known host key
   arch    `uname -m` is the hardware kind's (aarch64 for dgx-spark); inventory `expect_arch` overrides
-  docker  `docker info` answers (the inventory's docker_host when it sets one)
+  docker  `docker -H <docker_host> info` answers (always the inventory's engine, default the standard
+          socket: never a DOCKER_HOST the login sets; executors/docker_cli.py)
   gpus    the NVIDIA runtime is in `docker info` Runtimes and `nvidia-smi -L` lists >= gpus GPUs;
           skipped only with the documented opt-out `expect_gpus: false` (hosts without GPUs)
   nvme    free space (df, nearest existing parent) >= the sizing model's NVMe need, counting what
@@ -28,15 +29,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InputError
+from ..executors.docker_cli import docker_argv
 from ..hardware import KINDS
 from ..inventory import Host
+from ..launch.memgate import mem_available_kib, memgate_verdict
+from ..outcomes import HostResult, run_per_host
 from ..plan import Action
-from .base import HostResult, Stage, run_per_host
+from .base import Stage
 
 CONNECT_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 20.0
 MAX_CLOCK_SKEW_S = 2.0
-DEFAULT_DOCKER_HOST = Host.__dataclass_fields__["docker_host"].default
 IFACE_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 # The nearest existing parent of $1, its free bytes and mount point, then what $1 already holds.
 SPACE_SH = ('p=$1; while [ ! -e "$p" ]; do p=$(dirname -- "$p"); done; '
@@ -52,12 +55,6 @@ class Check:
 
     def to_json(self) -> dict[str, str]:
         return {"name": self.name, "status": self.status, "detail": self.detail}
-
-
-def docker_argv(h: Host, *args: str) -> list[str]:
-    """`docker ARGS` against the host's engine: -H only when the inventory names one, so a host
-    whose environment sets DOCKER_HOST (the test hosts' sshd does) keeps it."""
-    return ["docker", *(["-H", h.docker_host] if h.docker_host != DEFAULT_DOCKER_HOST else []), *args]
 
 
 def commands(h: Host, nvme: list[dict[str, Any]], gate_deployment: str = "") -> dict[str, list[list[str]]]:
@@ -205,13 +202,12 @@ def check_ram(host: str, meminfo: str, need_gb: float, pinned_table: dict[str, A
               min_gib: float = 0.0, engine_running: bool = False) -> Check:
     """MemAvailable against the sizing model's host-RAM need; a pinned PLE table is judged by the
     PLE writer's own rule (tables/ple_write.py: pinned_ram_verdict), so both stages agree. MIN_GIB:
-    the launch memory gate (launch/containers.py memgate_verdict), unless the deployment's engine
+    the launch memory gate (launch/memgate.py memgate_verdict), unless the deployment's engine
     runs there (ENGINE_RUNNING: launch stops it and drops the page cache before judging)."""
     from ..sizing import host_ram_problem
     avail = mem_available_gb(meminfo)
     gate = ""
     if min_gib:
-        from ..launch.containers import mem_available_kib, memgate_verdict
         ok, msg = memgate_verdict(host, mem_available_kib(meminfo), min_gib)
         if engine_running:
             gate = f"; memory gate ({min_gib:g} GiB) judged at launch: the deployment's engine runs here"

@@ -13,27 +13,31 @@ import shlex
 import threading
 import time
 
+from ..executors.docker_cli import docker_argv, docker_sh
+from ..outcomes import HostFailure, HostResult, run_per_host
 from ..plan import Action
-from .base import HostFailure, HostResult, Stage, run_per_host
+from ..ship import transfer as tr
+from ..ship.progress import ShipProgress
+from ..ship.transfer import Timeouts
+from .base import Stage
 
 
 def plan(dep):
     e, head = dep.recipe.engine, dep.cluster.head_host
     acts = []
     for w in dep.cluster.workers:
-        load = shlex.join(["ssh", f"{w.user}@{w.address}", "docker", "-H", w.docker_host, "load"])
+        load = shlex.join(["ssh", f"{w.user}@{w.address}", *docker_argv(w, "load")])
         acts.append(Action(
             "ship", w.name, "image-ship",
             f"send the layers of {e.image} that {w.name} lacks, from {head.name}'s engine, head to worker",
             command=("ssh", f"{head.user}@{head.address}",
-                     f"docker -H {shlex.quote(head.docker_host)} save {shlex.quote(e.image)} "
+                     f"{docker_sh(head, 'save', e.image)} "
                      f"| <deployctl ship agent: only the layers {w.name} lacks> | {load}"),
             details={"image": e.image, "from": head.name, "to": w.name}))
     return acts, "" if acts else "single host: nothing to ship"
 
 
 def _timeouts(options: dict):
-    from ..ship.transfer import Timeouts
     d = Timeouts()
     stall = float(options.get("ship_stall_s") or d.stall_s)
     deadline = float(options.get("ship_timeout_s") or d.deadline_s)
@@ -43,8 +47,6 @@ def _timeouts(options: dict):
 
 def apply(dep, actions, ctx):
     from ..executors.ssh import SSHError, SSHTarget
-    from ..ship import transfer as tr
-    from ..ship.progress import ShipProgress
 
     cluster, head_host = dep.cluster, dep.cluster.head_host
     image = dep.recipe.engine.image

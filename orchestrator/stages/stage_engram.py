@@ -21,12 +21,14 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
+from ..outcomes import HostResult
 from ..paths import PLAYBOOKS_DIR
 from ..plan import Action
 from ..recipe import Recipe, digest_of
+from ..tables import bundle
 from ..tables.engram_stage import Spec, local_ranges
 from ..tables.engram_stage import staged_bytes as _staged_bytes
-from .base import HostResult, Stage
+from .base import Stage
 from .hostcheck import Probe, already_done, with_stdin_spec
 
 if TYPE_CHECKING:
@@ -142,7 +144,6 @@ def plan(dep: "Deployment") -> tuple[list[Action], str]:
 
 def apply(dep: "Deployment", actions: list[Action], ctx: "RunContext") -> list[HostResult]:
     from ..executors.ansible import run_playbook
-    from ..tables import bundle
 
     pyz = bundle.build(ctx.run_dir / "bundle")
     all_jobs = [host_job(dep, dep.cluster.host(a.host)) for a in actions]

@@ -6,7 +6,9 @@ The logic lives in orchestrator/modelsync/ (push.py, shared.py; hostside.py runs
 """
 from __future__ import annotations
 
+from ..modelsync import push, shared
 from ..modelsync.hostside import BOOTSTRAP
+from ..modelsync.push import ssh_options
 from ..modelsync.rsync import rsync_argv
 from ..modelsync.settings import Settings, cache_file, revision_note
 from ..plan import Action
@@ -22,7 +24,6 @@ def _hostside(host, op: str, args: list[str]) -> tuple[str, ...]:
 
 
 def plan(dep):
-    from ..modelsync.push import ssh_options
     m, c = dep.recipe.model, dep.cluster
     head = c.head_host
     src = dep.checkpoint_dir(head)
@@ -76,7 +77,6 @@ def plan(dep):
 
 
 def apply(dep, actions, ctx):
-    from ..modelsync import push, shared
     return (shared if dep.recipe.model.source == "shared" else push).apply(dep, actions, ctx)
 
 

@@ -17,10 +17,13 @@ import shlex
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ..outcomes import HostFailure, HostResult, run_per_host
+from ..paths import PLAYBOOKS_DIR
 from ..plan import Action
 from ..recipe import Recipe, digest_of
+from ..tables import bundle
 from ..tables.ple_write import SPEC_FORMAT, parse_spec
-from .base import HostFailure, HostResult, Stage, run_per_host
+from .base import Stage
 from .hostcheck import Probe, already_done, with_stdin_spec
 from .stage_engram import PYZ_NAME, WORK_SUBDIR, host_python   # the same zipapp, folder, python
 
@@ -133,8 +136,6 @@ def result_from(host: str, res: Any, timeout_s: int) -> HostResult | str:
 
 def apply(dep, actions, ctx):
     from ..executors.ansible import run_playbook
-    from ..paths import PLAYBOOKS_DIR
-    from ..tables import bundle
 
     pyz = bundle.build(ctx.run_dir / "bundle")
     verify = bool(ctx.options.get("verify"))
