@@ -1,6 +1,6 @@
 """Error types that carry the exit code the CLI returns.
 
-Exit codes (design.md): 0 ok, 1 a host or stage failed, 2 bad input.
+Exit codes (docs/architecture.md, "Exit codes"): 0 ok, 1 a host or stage failed, 2 bad input.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Facts about the hardware kinds deployctl knows (deployment-facts.md, "Hardware kinds")."""
+"""Facts about the hardware kinds deployctl knows (docs/deployment-facts.md, "Hardware kinds")."""
 from __future__ import annotations
 
 from dataclasses import dataclass

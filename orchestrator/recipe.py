@@ -200,7 +200,7 @@ class BenchSpec:
 
 @dataclass(frozen=True)
 class SizingSpec:
-    """Memory budget inputs (deployment-facts.md, "Sizing rules"; docs/sizing.md)."""
+    """Memory budget inputs (docs/deployment-facts.md, "Sizing rules"; docs/sizing.md)."""
     os_reserve_gb: float = 8.0           # OS and system services (unified: in the shared pool; else host RAM)
     activations_gb: float = 4.0          # activations, CUDA graphs, CUDA context, NCCL (inside vLLM's
                                          # gpu-memory-utilization; beside SGLang's mem-fraction-static)

@@ -2,7 +2,7 @@
 
 Pure (no I/O, plan layer). Inputs: the recipe (model facts, table geometry and placement,
 engine args, its `sizing:` block) and the inventory (hosts, hardware kind). docs/sizing.md
-explains the model; deployment-facts.md "Sizing rules" is where it comes from.
+explains the model; docs/deployment-facts.md "Sizing rules" is where it comes from.
 
 Per node, one budget per resource, each a list of lines (name, GB = 1e9 bytes, source, and the
 report's own figure where the recipe's `sizing.reference` gives one):

@@ -1,6 +1,6 @@
 """Streaming load generator for OpenAI-compatible chat APIs (vLLM, SGLang).
 
-Definitions (the same as the measured results in deployment-facts.md):
+Definitions (the same as the measured results in docs/deployment-facts.md):
 
 * A level at concurrency C runs C workers at once; each worker sends `rounds` requests back to back
   (closed loop), so a level makes C x rounds requests with C in flight at all times.

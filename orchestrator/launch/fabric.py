@@ -162,7 +162,7 @@ def choose_fabric(host: str, facts: dict[str, Any], override_iface: str | None =
 
 
 def fabric_env(f: Fabric, roce: dict[str, str] | None = None) -> dict[str, str]:
-    """NCCL/GLOO/TP/UCX variables for one host (deployment-facts.md, "Multi-node NCCL"). With an
+    """NCCL/GLOO/TP/UCX variables for one host (docs/deployment-facts.md, "Engines": multi-node NCCL). With an
     active RoCE HCA: ONE pinned HCA (f.hca) and the RoCE v2 block (ROCE_ENV, ROCE overriding values);
     without: NCCL over sockets."""
     env = {"NCCL_SOCKET_IFNAME": f.iface, "GLOO_SOCKET_IFNAME": f.iface, "TP_SOCKET_IFNAME": f.iface,

@@ -15,7 +15,7 @@ reproduces the folder's name identifies it with certainty; a folder nothing repr
 are matched on the name directly.
 
 `docker load` accepts an archive reduced to the folders a target lacks, because it skips every layer
-whose chain is already in its store (verified on 20.10, docs: test-cluster.md).
+whose chain is already in its store (verified on 20.10: docs/deployment-facts.md, "Verified: `docker load` of a partial save").
 """
 from __future__ import annotations
 
