@@ -90,3 +90,50 @@ def test_signal_handlers_are_left_as_they_were(tmp_path):
                        artifact_dir=tmp_path / "run", timeout_s=120, host_key_checking=True)
     assert res["a"].ok
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+# -- stage-engram's apply runs the jobs its plan carries (orchestrator/stages/tableop.py) --------
+
+def test_stage_engram_apply_executes_the_planned_argv(tmp_path, monkeypatch):
+    import json
+    from pathlib import Path
+
+    from orchestrator.deployment import load_deployment
+    from orchestrator.executors.ansible import PlaybookHostResult
+    from orchestrator.runrecord import RunContext
+    from orchestrator.stages import build_plan, stage_engram
+    from tests.tableop_double import Recorder, ok, with_op
+
+    repo = Path(__file__).resolve().parents[1]
+    dep = load_deployment(repo / "inventories/spark4.yml")
+    acts = list(build_plan(dep, only=("stage-engram",)).stage("stage-engram").actions)
+    # spark3's action carries another destination than the deployment would give: it must run as planned
+    acts[2] = with_op(acts[2], tuple("/elsewhere" if a == dep.engram_dir(dep.cluster.host("spark3")) else a
+                                     for a in acts[2].details["job"]["op"]))
+    assert "/elsewhere" in acts[2].command
+    killed = PlaybookHostResult("spark4", False, 124, "non-zero return code", ["..."], None,
+                                "Stage the rank's rows")
+    rec = Recorder(monkeypatch, {"spark2": ok("spark2", {"status": "ok", "bytes": 2e9, "seconds": 1}),
+                                 "spark3": ok("spark3", {"status": "skipped", "reason": "already staged: rank 2"}),
+                                 "spark4": killed},
+                   done={"spark1": "already staged: rank 0 (checked)"})
+    ctx = RunContext(tmp_path / "run")
+    res = stage_engram.apply(dep, acts, ctx)
+
+    assert [p.check_argv for p in rec.probes] == [
+        tuple("/dev/stdin" if x == a.details["job"]["spec_path"] else x for x in a.command[4:]) + ("--check",)
+        for a in acts]
+    (run,) = rec.runs                                     # one playbook run, for the hosts with work
+    assert run["limit"] == ["spark2", "spark3", "spark4"]
+    hosts = run["extravars"]["engram_hosts"]
+    for a in acts:
+        assert hosts[a.host]["argv"] == list(a.command)   # executed = planned
+    assert json.loads((ctx.run_dir / "stage-engram-vars.json").read_text()) == run["extravars"]
+    assert [r.status for r in res] == ["skipped", "ok", "skipped", "failed"]
+    assert res[0].message == "already staged: rank 0 (checked)"
+    assert res[1].message.startswith("staged 2.00 GB to ")
+    assert res[3].rc == 124 and res[3].message.startswith(
+        f"engram-stage did not finish within {acts[3].details['timeout_s']} s on the host and was killed")
+    log = Path(res[2].log_path).read_text()
+    assert "$ " + " ".join(acts[2].command) in log and "/elsewhere" in log
+    ctx.close()

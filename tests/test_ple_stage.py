@@ -182,3 +182,41 @@ def test_rtx_pinned_ram_check_refuses_on_the_host(cluster, tmp_path):
     (res,) = json.loads(p.stdout)["stages"][0]["results"]
     assert res["status"] == "ok" and "no file is written" in res["message"], res
     assert tables() == before, "the pinned placement wrote a table file"
+
+
+def test_apply_executes_the_planned_argv_and_verify_adds_to_it(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from orchestrator.runrecord import RunContext
+    from orchestrator.stages import write_ple
+    from orchestrator.stages.tableop import timeout_for
+    from tests.tableop_double import Recorder, ok, with_op
+
+    dep = load_deployment(REPO / "inventories/spark1.yml")
+    (a,) = build_plan(dep, only=("write-ple",)).stage("write-ple").actions
+    a = with_op(a, (*a.details["job"]["op"][:-1], "/planned/ple"))     # apply must not recompute it
+    written = {"status": "written", "file": "/planned/ple/t.bin", "bytes": 1e9, "seconds": 1, "mb_per_s": 1000,
+               "reason": "new"}
+    rec = Recorder(monkeypatch, {"spark1": ok("spark1", written)})
+    ctx = RunContext(tmp_path / "run")
+    (r,) = write_ple.apply(dep, [a], ctx)
+    assert r.status == "ok" and r.message.startswith("written /planned/ple/t.bin"), r
+    (p,) = rec.probes
+    assert p.check_argv[-3:] == ("--dest", "/planned/ple", "--check")
+    (run,) = rec.runs
+    assert run["limit"] == ["spark1"] and run["extravars"]["ple_hosts"]["spark1"]["argv"] == list(a.command)
+
+    # --verify (a run option): the planned op plus --verify, the timeout for two passes, no SSH probe
+    rec = Recorder(monkeypatch, {"spark1": ok("spark1", {"status": "kept", "reason": "equal"})})
+    ctx = RunContext(tmp_path / "run2", options={"verify": True})
+    (r,) = write_ple.apply(dep, [a], ctx)
+    assert r.status == "skipped" and r.message == "kept: equal"
+    job = write_ple.TableJob.of(a)
+    argv = rec.runs[0]["extravars"]["ple_hosts"]["spark1"]["argv"]
+    assert argv == list(replace(job, op=(*job.op, "--verify"), timeout_s=timeout_for(job.bytes, 2)).argv)
+    assert argv[4:] == [*a.command[4:], "--verify"] and not rec.probes
+
+    # a result the op did not print is a failure saying so
+    rec = Recorder(monkeypatch, {"spark1": ok("spark1", {})})
+    (r,) = write_ple.apply(dep, [a], RunContext(tmp_path / "run3"))
+    assert r.status == "failed" and r.message.startswith("ple-write printed no result"), r
