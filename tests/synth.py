@@ -151,3 +151,19 @@ def engram_config(recipe: Recipe) -> dict:
             "engram_max_ngram_size": len(g.orders) + 1, "engram_n_heads": g.heads_per_order,
             "engram_head_dim": g.row_values,
             "engram_num_embeddings": [t.rows for t in G.layer_tables(g)]}
+
+
+QWEN_SMALL_SETS = ("ple.geometry.vocab_per_order=[997,1009]", "ple.shards=4", "ple.split_ngram_parts=4")
+
+
+def qwen_checkpoint_and_table(folder: str | Path, sets=QWEN_SMALL_SETS) -> tuple[Path, Path]:
+    """A small Qwen checkpoint (FOLDER/ck, config.json with the PLE fields SGLang reads) and the table
+    file deployctl's write-ple op wrote from it into FOLDER/ple, with its manifest."""
+    from orchestrator.recipe import load_recipe
+    from orchestrator.stages.write_ple import spec_for
+    from orchestrator.tables import ple_write
+    r = load_recipe("qwen38-flash-next-spark", sets).recipe
+    ck = Path(folder) / "ck"
+    write_checkpoint(ck, [t for t in recipe_tensors(r) if ".ple." in t.name], files=2, config=recipe_config(r))
+    out = ple_write.write_table(ple_write.parse_spec(spec_for(r)), ck, Path(folder) / "ple", quiet=True)
+    return ck, Path(out.data["file"])

@@ -494,23 +494,12 @@ def sglang_args(port: int, ple_dir: Path, backend: str = "file",
 
 
 PATCHES = HERE.parent / "dockerfiles" / "sglang-qwen38" / "patches"
-PLE_SETS = ("ple.geometry.vocab_per_order=[97,101]", "ple.shards=4", "ple.split_ngram_parts=4")
 
 
 @pytest.fixture
 def qwen_ckpt(tmp_path):
-    """A small Qwen checkpoint (config.json with the PLE fields SGLang reads) and the table file
-    deployctl's write-ple op wrote from it, with its manifest."""
-    from orchestrator.recipe import load_recipe
-    from orchestrator.stages.write_ple import spec_for
-    from orchestrator.tables import ple_write
     from tests import synth
-    r = load_recipe("qwen38-flash-next-spark", PLE_SETS).recipe
-    ck = tmp_path / "ck"
-    synth.write_checkpoint(ck, [t for t in synth.recipe_tensors(r) if ".ple." in t.name], files=2,
-                           config=synth.recipe_config(r))
-    out = ple_write.write_table(ple_write.parse_spec(spec_for(r)), ck, tmp_path / "ple", quiet=True)
-    return ck, Path(out.data["file"])
+    return synth.qwen_checkpoint_and_table(tmp_path)
 
 
 def ple_env(**extra) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +152,15 @@ def test_config_json_must_agree_with_the_recipe(ckpt, tmp_path):
     assert rc == 2
     assert "split_ngram_parts: config.json has 8, the recipe's ple.split_ngram_parts is 16" in res["error"]
     assert not (tmp_path / "ple").exists()
+
+
+def test_ple_layer_ids_must_name_the_recipes_layer(ckpt, tmp_path):
+    spec, ck, plans = ckpt
+    cfg = config_of(spec_doc())
+    cfg["text_config"]["ple_layer_ids"] = [2]          # 1-based: decoder layer 1, not the recipe's 2
+    write_checkpoint(tmp_path / "ckl", plans, files=5, config=cfg)
+    rc, res = run_main(tmp_path, spec_doc(), tmp_path / "ckl", tmp_path / "ple")
+    assert rc == 2 and "ple_layer_ids: config.json has [2] (1-based)" in res["error"] and "needs 3" in res["error"]
 
 
 def test_shards_that_would_overlap_are_refused(ckpt, tmp_path):

@@ -147,13 +147,21 @@ def engine_config(checkpoint: str | Path) -> dict[str, Any]:
     return {"make_ngram_vocab_size_divisible_by": int(text.get("make_ngram_vocab_size_divisible_by",
                                                                DEFAULT_DIVISIBLE_BY)),
             "split_ngram_parts": int(text.get("split_ngram_parts", DEFAULT_SPLIT_PARTS)),
-            "ple_embedding_dtype": text.get("ple_embedding_dtype")}
+            "ple_embedding_dtype": text.get("ple_embedding_dtype"),
+            "ple_layer_ids": text.get("ple_layer_ids")}
 
 
-def check_engine_config(found: dict[str, Any], expected: dict[str, int], source: str) -> None:
-    """The recipe's values (used to plan the file name) must be the checkpoint's (exit 2)."""
+def check_engine_config(found: dict[str, Any], expected: dict[str, int], source: str,
+                        layer: int | None = None) -> None:
+    """The recipe's values (used to plan the file name) must be the checkpoint's (exit 2). `layer`
+    (0-based, as in the shard tensor names) must be a PLE layer: config ple_layer_ids are 1-based
+    (qwen4_exp.py _has_ple: layer_id + 1 in ple_layer_ids)."""
     bad = [f"{k}: config.json has {found[k]}, the recipe's ple.{k} is {expected[k]}"
            for k in CONFIG_KEYS if k in expected and found.get(k) != expected[k]]
+    ids = found.get("ple_layer_ids")
+    if layer is not None and ids is not None and layer + 1 not in ids:
+        bad.append(f"ple_layer_ids: config.json has {ids} (1-based), the recipe's ple.geometry.layers "
+                   f"[{layer}] (0-based) needs {layer + 1} there")
     if bad:
         raise InputError("the recipe disagrees with the checkpoint on how SGLang lays out the PLE "
                          f"table ({'; '.join(bad)}); set ple.<key> to the checkpoint's value",

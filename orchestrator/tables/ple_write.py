@@ -58,7 +58,6 @@ import json
 import mmap
 import os
 import random
-import re
 import string
 import sys
 import time
@@ -261,7 +260,7 @@ def resolve_source(spec: PleTableSpec, checkpoint_dir: str | Path) -> Source:
     places under the checkpoint's split_ngram_parts (exit 2)."""
     ck = Checkpoint(checkpoint_dir)
     config = engine_config(ck.folder)
-    check_engine_config(config, spec.engine_config, str(ck.folder / "config.json"))
+    check_engine_config(config, spec.engine_config, str(ck.folder / "config.json"), spec.layer)
     names = [spec.shard_name(i) for i in range(spec.shards)]
     missing = [i for i, n in enumerate(names) if not ck.has(n)]
     if missing:
