@@ -126,6 +126,10 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     shm_size: str = "64g"
     container_name: str = ""             # default: deployctl-<deployment>-<host>
+    # The released PyPI version of the engine whose own argument parsers and file rules this recipe
+    # is checked against (the conformance tier, tests/conformance/versions.txt must name the same:
+    # bumping it here without there fails the tier, and a new version there builds new venvs).
+    release: str = ""
     # docker run --memory / --memory-swap (e.g. "112g"); "" = no limit (docs/deepseek-runtime-contract.md)
     memory_limit: str = ""
     memory_swap: str = ""
