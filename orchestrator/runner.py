@@ -5,7 +5,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from rich.markup import escape
 
@@ -53,7 +53,7 @@ class RunOutcome:
 
 def run(plan: Plan, ctx: RunContext, command: str = "up") -> RunOutcome:
     """Apply PLAN. Ctrl-C sets ctx.cancel at once (stages' loops stop within a poll), then runs the
-    callables in ctx.options["cleanups"]; a failed stage runs ctx.options["failure_cleanups"]."""
+    callables in ctx.state.cleanups; a failed stage runs ctx.state.failure_cleanups."""
     ctx.write_json("plan.json", plan.to_json())
     started = time.time()
     outcomes: list[StageOutcome] = []
@@ -85,13 +85,13 @@ def run(plan: Plan, ctx: RunContext, command: str = "up") -> RunOutcome:
             ctx.event("stage-end", stage=sp.name, status=st_status, seconds=round(out.seconds, 3))
             if failed:
                 status, code = "failed", 1
-                _run_cleanups(ctx, "failure_cleanups")
+                _run_cleanups(ctx, ctx.state.failure_cleanups)
                 break
     except KeyboardInterrupt:
         ctx.cancel.set()
         status, code, error = "cancelled", 130, "interrupted (Ctrl-C)"
         ctx.say("[yellow]interrupted (Ctrl-C): cleaning up[/yellow]")
-        _run_cleanups(ctx, "cleanups")
+        _run_cleanups(ctx, ctx.state.cleanups)
     except DeployctlError as e:
         status, code, error = "error", e.exit_code, str(e)
     finally:
@@ -135,9 +135,9 @@ def _cancel_on_sigint(ctx: RunContext) -> None:
     signal.signal(signal.SIGINT, on_sigint)
 
 
-def _run_cleanups(ctx: RunContext, key: str) -> None:
+def _run_cleanups(ctx: RunContext, registered: "list[Callable[[], None]]") -> None:
     """Registered cleanups, newest first; a second Ctrl-C does not cut them short (each is bounded)."""
-    fns = list(reversed(ctx.options.get(key, [])))
+    fns = list(reversed(registered))
     if not fns:
         return
     main = _main_thread()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .fsutil import atomic_write_text
+from .runoptions import RunOptions, RunState
 from .secrets import mask_data, mask_text, secret_values
 
 TAIL_LINES = 20
@@ -54,11 +55,13 @@ class HostLog:
 
 @dataclass
 class RunContext:
-    """What a stage's apply needs from the run: logs, events, cancellation, options."""
+    """What a stage's apply needs from the run: logs, events, cancellation, options (the command's,
+    frozen) and state (what a stage hands to a later one)."""
     run_dir: Path
     verbose: int = 0
     quiet: bool = False
-    options: dict[str, Any] = field(default_factory=dict)
+    options: RunOptions = field(default_factory=RunOptions)
+    state: RunState = field(default_factory=RunState)
     cancel: threading.Event = field(default_factory=threading.Event)
     console: Any = None                   # rich Console for progress, None when --json
     _lock: threading.Lock = field(default_factory=threading.Lock)

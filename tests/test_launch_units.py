@@ -134,7 +134,7 @@ def test_ctrl_c_cancels_worker_threads_at_once_and_runs_the_cleanups(tmp_path, m
     cleaned: list[str] = []
 
     def apply(d, actions, ctx):
-        ctx.options.setdefault("cleanups", []).append(lambda: cleaned.append("removed"))
+        ctx.state.cleanups.append(lambda: cleaned.append("removed"))
 
         def one(action, log):
             seen[action.host] = ctx.cancel.wait(30)          # a long poll loop, waiting on cancel
@@ -159,7 +159,7 @@ def test_a_failed_stage_runs_the_failure_cleanups(tmp_path, monkeypatch):
     cleaned: list[str] = []
 
     def apply(d, actions, ctx):
-        ctx.options.setdefault("failure_cleanups", []).append(lambda: cleaned.append("removed"))
+        ctx.state.failure_cleanups.append(lambda: cleaned.append("removed"))
         return run_per_host(actions, ctx, lambda a, log: (_ for _ in ()).throw(HostFailure("boom")))
     stage, plan = _fake_plan(dep, apply)
     ctx = RunContext(tmp_path / "run")

@@ -187,6 +187,7 @@ def test_rtx_pinned_ram_check_refuses_on_the_host(cluster, tmp_path):
 def test_apply_executes_the_planned_argv_and_verify_adds_to_it(tmp_path, monkeypatch):
     from dataclasses import replace
 
+    from orchestrator.runoptions import RunOptions
     from orchestrator.runrecord import RunContext
     from orchestrator.stages import write_ple
     from orchestrator.stages.tableop import timeout_for
@@ -208,7 +209,7 @@ def test_apply_executes_the_planned_argv_and_verify_adds_to_it(tmp_path, monkeyp
 
     # --verify (a run option): the planned op plus --verify, the timeout for two passes, no SSH probe
     rec = Recorder(monkeypatch, {"spark1": ok("spark1", {"status": "kept", "reason": "equal"})})
-    ctx = RunContext(tmp_path / "run2", options={"verify": True})
+    ctx = RunContext(tmp_path / "run2", options=RunOptions(verify=True))
     (r,) = write_ple.apply(dep, [a], ctx)
     assert r.status == "skipped" and r.message == "kept: equal"
     job = write_ple.TableJob.of(a)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from ..errors import InputError
+from ..runoptions import RunOptions
 from .common import deployment_options, handle_errors
 from .pipeline import run_stages
 
@@ -47,9 +48,9 @@ def command(inventory, recipe, sets, as_json, verbose, quiet, local, ci, update_
     its digest exists, else built; the last step's image is tagged engine.image. One line per step
     on the console; -v streams the build output; every step's output is in the run record.
     """
-    options = {"local": local, "ci": ci, "update_lock": update_lock, "prune": prune, "no_cache": no_cache,
-               "inputs_dir": inputs_dir, "input_roots": _pairs(input_roots, "--input-root"),
-               "vars": _pairs(chain_vars, "--var")}
+    options = RunOptions(local=local, ci=ci, update_lock=update_lock, prune=prune, no_cache=no_cache,
+                         inputs_dir=inputs_dir, input_roots=_pairs(input_roots, "--input-root"),
+                         chain_vars=_pairs(chain_vars, "--var"))
     run_stages(command="build", inventory=inventory, recipe=recipe, sets=tuple(sets),
                only=("build",), as_json=as_json, verbose=verbose, quiet=quiet, options=options)
 

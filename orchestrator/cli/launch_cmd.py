@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-import threading
 from typing import Any
 
 import click
@@ -12,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..deployment import load_deployment
-from ..secrets import mask_text
+from ..runoptions import RunOptions
 from ..stages import build_plan
 from .common import STDERR, deployment_options, emit_json, handle_errors
 from .pipeline import run_host_command, run_stages
@@ -52,7 +51,7 @@ def launch_command(inventory, recipe, sets, as_json, verbose, quiet, keep_on_fai
         return _dry_run(inventory, recipe, sets, as_json, verbose, ("launch",))
     run_stages(command="launch", inventory=inventory, recipe=recipe, sets=tuple(sets), only=("launch",),
                as_json=as_json, verbose=verbose, quiet=quiet, lock=True,
-               options={"keep_on_failure": True} if keep_on_failure else None)
+               options=RunOptions(keep_on_failure=keep_on_failure))
 
 
 @click.command("health")
@@ -136,67 +135,22 @@ def logs_command(inventory, recipe, sets, as_json, verbose, quiet, hosts, tail, 
     lines of all selected hosts as they come, prefixed with the host, until Ctrl-C. Exit 1 when a
     host could not be reached or has no container of the deployment.
     """
-    from ..launch.containers import logs_tail
-    from ..launch.lifecycle import container_name, follow as follow_logs
-    from ..launch.remote import Shells, parallel
+    from ..launch.lifecycle import follow_logs, tail_logs
     dep = load_deployment(inventory, recipe, tuple(sets))
     names = [dep.cluster.host(h).name for h in hosts] or [h.name for h in dep.cluster.hosts]
     out = Console(highlight=False, soft_wrap=True)
-    problems: dict[str, str] = {}
-    with Shells(dep) as shells:
-        found = parallel(names, lambda n: container_name(dep, shells[n]))
-        ids = {}
-        for n in names:
-            v = found[n]
-            if isinstance(v, BaseException):
-                problems[n] = f"unreachable: {v}"
-            elif v is None:
-                problems[n] = f"no container of {dep.name}"
-            else:
-                ids[n] = v
-        if not follow:
-            texts = parallel(list(ids), lambda n: logs_tail(shells[n], ids[n], tail, timeout=60))
-            docs = {}
-            for n in names:
-                if n in problems:
-                    continue
-                if isinstance(texts[n], BaseException):
-                    problems[n] = str(texts[n])
-                    continue
-                lines = [mask_text(line) for line in texts[n]]
-                docs[n] = lines
-                if not as_json:
-                    out.print(f"[bold]==> {n} ({ids[n][:12]}) <==[/bold]")
-                    for line in lines:
-                        out.print(escape(line))
-            if as_json:
-                emit_json({"deployment": dep.name, "logs": docs, "problems": problems})
+    if follow:
+        problems = follow_logs(dep, names, tail,
+                               lambda n, line: out.print(f"[cyan]{n}[/cyan] | {escape(line)}"))
+    else:
+        ids, docs, problems = tail_logs(dep, names, tail)
+        if as_json:
+            emit_json({"deployment": dep.name, "logs": docs, "problems": problems})
         else:
-            stop = threading.Event()
-            lock = threading.Lock()
-
-            def emit(n: str, line: str) -> None:
-                with lock:
-                    out.print(f"[cyan]{n}[/cyan] | {escape(mask_text(line))}")
-
-            def stream(n: str) -> None:
-                try:
-                    follow_logs(shells[n], ids[n], tail, lambda line: emit(n, line), stop)
-                except Exception as e:  # noqa: BLE001 - report, keep the other streams
-                    problems[n] = str(e)
-            threads = [threading.Thread(target=stream, args=(n,), daemon=True) for n in ids]
-            for t in threads:
-                t.start()
-            try:
-                while any(t.is_alive() for t in threads):
-                    for t in threads:
-                        t.join(0.2)
-            except KeyboardInterrupt:
-                pass
-            finally:
-                stop.set()
-                for t in threads:
-                    t.join(5)
+            for n, lines in docs.items():
+                out.print(f"[bold]==> {n} ({ids[n][:12]}) <==[/bold]")
+                for line in lines:
+                    out.print(escape(line))
     for n, why in problems.items():
         STDERR.print(f"[red]{n}[/red]: {escape(why)}")
     sys.exit(1 if problems else 0)
@@ -216,37 +170,18 @@ def down_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run):
     a host where one remains, or that cannot be reached, fails (exit 1) by name. Holds the
     deployment's lock on the head.
     """
-    from ..launch.commands import list_argv
+    from ..launch.lifecycle import down_host, down_preview
     dep = load_deployment(inventory, recipe, tuple(sets))
     if dry_run:
         out = Console(highlight=False, soft_wrap=True)
         out.print(f"[bold]{escape(dep.name)}[/bold]: down on {len(dep.cluster.hosts)} host(s)")
-        for h in dep.cluster.hosts:
-            out.print(f"  [cyan]{h.name}[/cyan]: stop (docker stop -t 10) and remove (docker rm -f) every "
+        for host, argv in down_preview(dep):
+            out.print(f"  [cyan]{host}[/cyan]: stop (docker stop -t 10) and remove (docker rm -f) every "
                       f"container listed by, then list again:")
-            out.print(f"      $ {escape(shlex.join(list_argv(h.docker_host, dep.name)))}")
+            out.print(f"      $ {escape(shlex.join(argv))}")
         return
-
-    def one(action, log):
-        from ..launch.containers import remove_all
-        from ..launch.remote import HostShell
-        from ..executors.ssh import SSHError
-        from ..outcomes import HostFailure, HostResult
-        sh = HostShell(dep, dep.cluster.host(action.host), connect_timeout=10.0)
-        try:
-            gone = remove_all(sh, dep.name)
-        except SSHError as e:
-            raise HostFailure(f"could not reach the host, its containers (if any) are still there: {e}") from None
-        finally:
-            sh.close()
-        if not gone:
-            log.write(f"no container of {dep.name}")
-            return HostResult(action.host, "down", "skipped", f"no container of {dep.name} here (verified)")
-        msg = (f"stopped and removed {', '.join(f'{c.name} ({c.short_id})' for c in gone)}; "
-               f"verified: none of {dep.name} left")
-        log.write(msg)
-        return msg
-    run_host_command(command="down", dep=dep, fn=one, summary=f"stop and remove the containers of {dep.name}",
+    run_host_command(command="down", dep=dep, fn=lambda action, log: down_host(dep, action.host, log),
+                     summary=f"stop and remove the containers of {dep.name}",
                      as_json=as_json, verbose=verbose, quiet=quiet, lock=True)
 
 

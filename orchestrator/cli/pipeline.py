@@ -11,18 +11,19 @@ from ..deployment import Deployment, load_deployment
 from ..outcomes import HostResult, run_per_host
 from ..plan import Action
 from ..runner import describe_failure, run, say_results
+from ..runoptions import RunOptions
 from ..runrecord import HostLog, RunContext, new_run_dir
 from ..stages import build_plan
 from .common import STDERR, emit_json
 
 
 def _context(dep: Deployment, command: str, as_json: bool, verbose: int, quiet: bool,
-             options: dict | None) -> RunContext:
+             options: RunOptions | None) -> RunContext:
     run_root = Path(dep.cluster.run_dir)
     if not run_root.is_absolute():
         run_root = Path.cwd() / run_root
     return RunContext(new_run_dir(run_root, dep.name, command), verbose=verbose, quiet=quiet,
-                      options=dict(options or {}), console=None if as_json else STDERR)
+                      options=options or RunOptions(), console=None if as_json else STDERR)
 
 
 def _head_lock(dep: Deployment, command: str, lock: bool):
@@ -35,7 +36,7 @@ def _head_lock(dep: Deployment, command: str, lock: bool):
 
 def run_stages(*, command: str, inventory: str | None, recipe: str | None, sets: tuple[str, ...],
                only: tuple[str, ...] = (), skip: tuple[str, ...] = (), as_json: bool = False,
-               verbose: int = 0, quiet: bool = False, options: dict | None = None,
+               verbose: int = 0, quiet: bool = False, options: RunOptions | None = None,
                lock: bool = False) -> None:
     """LOCK: hold the deployment's lock on the head for the whole run (a second run fails fast)."""
     dep = load_deployment(inventory, recipe, sets)
@@ -46,8 +47,9 @@ def run_stages(*, command: str, inventory: str | None, recipe: str | None, sets:
         try:
             outcome = run(plan, ctx, command)
         finally:
-            if ctx.options.get("shells") is not None:
-                ctx.options.pop("shells").close()     # the stages' shared SSH sessions
+            shells, ctx.state.shells = ctx.state.shells, None
+            if shells is not None:
+                shells.close()     # the stages' shared SSH sessions
             ctx.close()
     if as_json:
         emit_json(outcome.to_json())

@@ -14,6 +14,7 @@ import socket
 import click
 
 from ..recipe import load_recipe
+from ..runoptions import RunOptions
 from .common import deployment_options, emit_json, handle_errors, recipe_options
 from .pipeline import run_stages
 
@@ -34,7 +35,7 @@ def ple_group(ctx, inventory, recipe, sets, as_json, verbose, quiet, verify):
     if ctx.invoked_subcommand is None:
         run_stages(command="ple", inventory=inventory, recipe=recipe, sets=tuple(sets),
                    only=("write-ple",), as_json=as_json, verbose=verbose, quiet=quiet,
-                   options={"verify": verify})
+                   options=RunOptions(verify=verify))
 
 
 def _spec(recipe: str | None, sets: tuple[str, ...]) -> dict:

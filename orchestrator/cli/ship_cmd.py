@@ -5,6 +5,7 @@ import json
 
 import click
 
+from ..runoptions import RunOptions
 from .common import deployment_options, handle_errors
 from .pipeline import run_stages
 
@@ -34,11 +35,10 @@ def command(inventory, recipe, sets, as_json, verbose, quiet, image, stall_timeo
     against the head's afterwards.
     """
     sets = tuple(sets) + ((f"engine.image={json.dumps(image)}",) if image else ())
-    options = {"ship_stall_s": stall_timeout, "ship_timeout_s": timeout_s,
-               "head_ssh_key": head_ssh_key, "head_known_hosts": head_known_hosts}
+    options = RunOptions(ship_stall_s=stall_timeout, ship_timeout_s=timeout_s,
+                         ship_head_ssh_key=head_ssh_key, ship_head_known_hosts=head_known_hosts)
     run_stages(command="ship", inventory=inventory, recipe=recipe, sets=sets, only=("ship",),
-               as_json=as_json, verbose=verbose, quiet=quiet,
-               options={k: v for k, v in options.items() if v is not None})
+               as_json=as_json, verbose=verbose, quiet=quiet, options=options)
 
 
 def register(cli: click.Group) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import click
 
+from ..runoptions import RunOptions, SyncModelOptions
 from .common import deployment_options, handle_errors
 from .pipeline import run_stages
 
@@ -34,11 +35,11 @@ def command(inventory, recipe, sets, as_json, verbose, quiet, io_timeout, total_
 
     Exit 0 ok or nothing to do, 1 a host failed (others keep their results), 2 bad input.
     """
-    opts = {"io_timeout": io_timeout, "timeout": total_timeout, "bwlimit_mbps": bwlimit,
-            "rehash": rehash or None, "head_key": head_key, "head_known_hosts": head_known_hosts}
+    opts = SyncModelOptions(io_timeout=io_timeout, timeout=total_timeout, bwlimit_mbps=bwlimit,
+                            rehash=rehash or None, head_key=head_key, head_known_hosts=head_known_hosts)
     run_stages(command="sync-model", inventory=inventory, recipe=recipe, sets=tuple(sets),
                only=("sync-model",), as_json=as_json, verbose=verbose, quiet=quiet,
-               options={"sync_model": opts})
+               options=RunOptions(sync_model=opts))
 
 
 def register(cli: click.Group) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from ..deployment import load_deployment
+from ..runoptions import RunOptions
 from ..stages import build_plan, select
 from .common import deployment_options, emit_json, handle_errors
 from .launch_cmd import keep_option
@@ -41,7 +42,7 @@ def up_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run, only, 
     changes = set(select(tuple(only), tuple(skip))) - READ_ONLY
     run_stages(command="up", inventory=inventory, recipe=recipe, sets=tuple(sets), only=tuple(only),
                skip=tuple(skip), as_json=as_json, verbose=verbose, quiet=quiet, lock=bool(changes),
-               options={"keep_on_failure": True} if keep_on_failure else None)
+               options=RunOptions(keep_on_failure=keep_on_failure))
 
 
 def register(cli: click.Group) -> None:

@@ -47,7 +47,7 @@ def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostR
     names = [a.host for a in actions]
     logs = {n: ctx.host_log(n, STAGE) for n in names}
     try:
-        return _Launch(dep, ctx, run_shells(dep, ctx.options), names, logs, environ).run()
+        return _Launch(dep, ctx, run_shells(dep, ctx.state), names, logs, environ).run()
     finally:
         for log in logs.values():
             log.close()
@@ -171,9 +171,9 @@ class _Launch:
 
         # Every node is cleared before any starts. Ctrl-C from here on removes what was started.
         cleanup = _cleanup(dep, ctx, self.names)
-        ctx.options.setdefault("cleanups", []).append(cleanup)
-        if not ctx.options.get("keep_on_failure"):
-            ctx.options.setdefault("failure_cleanups", []).append(cleanup)
+        ctx.state.cleanups.append(cleanup)
+        if not ctx.options.keep_on_failure:
+            ctx.state.failure_cleanups.append(cleanup)
         removed, bad = self.phase("stop", self.names, lambda n: self.stop(n))
         if bad:
             return self.abort(bad, f"earlier containers removed here; nothing started because "
@@ -203,7 +203,7 @@ class _Launch:
             started.update(ok)
             if bad:
                 break
-        ctx.options["launched"] = set(started)
+        ctx.state.launched = set(started)
         if bad:
             return self.abort(bad, f"not started: {', '.join(sorted(bad))} failed to start before it",
                               {n: f"started {cid[:12]}" for n, cid in started.items()})

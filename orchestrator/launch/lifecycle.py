@@ -1,4 +1,5 @@
-"""Lifecycle of a running deployment: status, logs, down (and the removal launch's cleanups use).
+"""Lifecycle of a running deployment: status, logs (tail and follow), down (and the removal launch's
+cleanups use). The CLI (cli/launch_cmd.py) only parses arguments and prints what these return.
 
 `down` and the cleanups list the containers again after removing them: a host is reported clear
 only when no container of the deployment is left on it; a host that cannot be reached is a failure.
@@ -9,17 +10,22 @@ import select
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..executors.ssh import SSHError
+from ..outcomes import HostFailure, HostResult
+from ..secrets import mask_text
 from . import api, probe
-from .commands import logs_argv
+from .commands import list_argv, logs_argv
 from .containers import Container, list_containers, logs_tail, remove_all
 from .remote import HostShell, Shells, parallel
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
-    from ..runrecord import RunContext
+    from ..runrecord import HostLog, RunContext
 
 SAVED_LOG_LINES = 500
 CLEANUP_CONNECT_S = 5.0
+DOWN_CONNECT_S = 10.0
+LOGS_TAIL_TIMEOUT_S = 60
 
 
 def save_engine_logs(sh: HostShell, containers: list[Container], ctx: "RunContext") -> None:
@@ -134,3 +140,99 @@ def follow(sh: HostShell, container: str, tail: int, emit: Callable[[str], None]
             if buf:
                 emit(buf.decode(errors="replace"))
 
+
+
+def find_containers(dep: "Deployment", shells: Shells, names: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Per host in NAMES, in parallel: the deployment's newest container ID, or why there is none.
+    Returns (ids, problems), both keyed by host name in the order of NAMES."""
+    found = parallel(names, lambda n: container_name(dep, shells[n]))
+    ids: dict[str, str] = {}
+    problems: dict[str, str] = {}
+    for n in names:
+        v = found[n]
+        if isinstance(v, BaseException):
+            problems[n] = f"unreachable: {v}"
+        elif v is None:
+            problems[n] = f"no container of {dep.name}"
+        else:
+            ids[n] = v
+    return ids, problems
+
+
+def tail_logs(dep: "Deployment", names: list[str], tail: int
+              ) -> tuple[dict[str, str], dict[str, list[str]], dict[str, str]]:
+    """The last TAIL lines (masked) of each host's container, fetched in parallel.
+    Returns (container ids, lines per host, problems per host), in the order of NAMES."""
+    with Shells(dep) as shells:
+        ids, problems = find_containers(dep, shells, names)
+        texts = parallel(list(ids), lambda n: logs_tail(shells[n], ids[n], tail, timeout=LOGS_TAIL_TIMEOUT_S))
+    docs: dict[str, list[str]] = {}
+    for n in names:
+        if n in problems:
+            continue
+        if isinstance(texts[n], BaseException):
+            problems[n] = str(texts[n])
+            continue
+        docs[n] = [mask_text(line) for line in texts[n]]
+    return ids, docs, problems
+
+
+def follow_logs(dep: "Deployment", names: list[str], tail: int, emit: Callable[[str, str], None]) -> dict[str, str]:
+    """Stream every host's container log into EMIT(host, masked line), one thread a host, until every
+    stream ends or Ctrl-C (which stops them all and returns). EMIT is called under one lock, so lines
+    never interleave. Returns the problems per host (unreachable, no container, stream failed)."""
+    with Shells(dep) as shells:
+        ids, problems = find_containers(dep, shells, names)
+        stop = threading.Event()
+        lock = threading.Lock()
+
+        def emit_line(n: str, line: str) -> None:
+            with lock:
+                emit(n, mask_text(line))
+
+        def stream(n: str) -> None:
+            try:
+                follow(shells[n], ids[n], tail, lambda line: emit_line(n, line), stop)
+            except Exception as e:  # noqa: BLE001 - report, keep the other streams
+                problems[n] = str(e)
+        threads = [threading.Thread(target=stream, args=(n,), daemon=True) for n in ids]
+        for t in threads:
+            t.start()
+        try:
+            while any(t.is_alive() for t in threads):
+                for t in threads:
+                    t.join(0.2)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(5)
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------
+# down
+
+def down_preview(dep: "Deployment") -> list[tuple[str, list[str]]]:
+    """`down --dry-run`: per host, the command that lists the containers down removes (and lists again)."""
+    return [(h.name, list_argv(h.docker_host, dep.name)) for h in dep.cluster.hosts]
+
+
+def down_host(dep: "Deployment", host: str, log: "HostLog") -> "HostResult | str":
+    """Stop and remove the deployment's containers on HOST and verify none is left (listing again).
+    An unreachable host is a HostFailure; a host with nothing to remove is skipped."""
+    sh = HostShell(dep, dep.cluster.host(host), connect_timeout=DOWN_CONNECT_S)
+    try:
+        gone = remove_all(sh, dep.name)
+    except SSHError as e:
+        raise HostFailure(f"could not reach the host, its containers (if any) are still there: {e}") from None
+    finally:
+        sh.close()
+    if not gone:
+        log.write(f"no container of {dep.name}")
+        return HostResult(host, "down", "skipped", f"no container of {dep.name} here (verified)")
+    msg = (f"stopped and removed {', '.join(f'{c.name} ({c.short_id})' for c in gone)}; "
+           f"verified: none of {dep.name} left")
+    log.write(msg)
+    return msg

@@ -37,7 +37,7 @@ def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostR
     logs = {n: ctx.host_log(n, STAGE) for n in names}
     try:
         with api.http_client() as client:
-            return _Watch(dep, ctx, run_shells(dep, ctx.options), client, names, logs).run()
+            return _Watch(dep, ctx, run_shells(dep, ctx.state), client, names, logs).run()
     finally:
         for log in logs.values():
             log.close()
@@ -113,7 +113,7 @@ class _Watch:
         h, e = dep.recipe.health, dep.recipe.engine
         t0 = time.monotonic()
         deadline = t0 + h.startup_timeout_s
-        fresh = bool(set(self.names) & set(ctx.options.get("launched", ())))
+        fresh = bool(set(self.names) & ctx.state.launched)
         answered_at: float | None = None
         answer = ""
         last_shown = None

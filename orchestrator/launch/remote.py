@@ -18,6 +18,7 @@ from ..executors.ssh import Result, SSHError, SSHSession, SSHTarget, SSHTimeout
 if TYPE_CHECKING:
     from ..deployment import Deployment
     from ..inventory import Host
+    from ..runoptions import RunState
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -96,12 +97,13 @@ class Shells:
             s.close()
 
 
-def run_shells(dep: "Deployment", options: dict) -> Shells:
-    """The run's shared Shells (options["shells"]), so the stages of one run reuse their SSH
-    sessions; whoever made the run's options closes it at the end (cli/pipeline.py)."""
-    pool = options.get("shells")
+def run_shells(dep: "Deployment", state: "RunState") -> Shells:
+    """The run's shared Shells (state.shells), so the stages of one run reuse their SSH sessions;
+    whoever made the run's context closes it at the end (cli/pipeline.py)."""
+    pool = state.shells
     if pool is None:
-        pool = options["shells"] = Shells(dep)
+        pool = state.shells = Shells(dep)
+    assert isinstance(pool, Shells)
     return pool
 
 

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..runoptions import RunOptions
 
 MARGIN_BYTES = 1_000_000_000          # kept free on a worker's model filesystem beyond the copy
 MIN_RATE = 20e6                       # B/s: the default whole-transfer timeout assumes at least this
@@ -24,9 +27,10 @@ class Settings:
     connect_timeout: float = 10.0
 
     @classmethod
-    def from_options(cls, options: dict[str, Any]) -> "Settings":
-        o = options.get("sync_model") or {}
-        return cls(**{k: v for k, v in o.items() if v is not None})
+    def from_options(cls, options: "RunOptions") -> "Settings":
+        """The command's sync-model flags over the defaults (a flag not given keeps the default)."""
+        o = options.sync_model
+        return cls(**{f.name: getattr(o, f.name) for f in fields(o) if getattr(o, f.name) is not None})
 
     def transfer_timeout(self, nbytes: int) -> float:
         return self.timeout or 300.0 + nbytes / MIN_RATE

@@ -5,8 +5,8 @@ plan() reads the chain and lock definitions (repo data, like the recipe) to list
 contacts an engine nor hashes inputs, so step digests are not known at plan time.
 apply() checks the inputs on this machine (bad input: exit 2, before any engine is contacted), then on
 the head: resolves the base, reuses or builds every step, tags engine.image, writes build-report.json
-to the run record. Options (ctx.options, from `deployctl build`): local, update_lock, prune, no_cache,
-ci, inputs_dir, input_roots, vars.
+to the run record. Options (ctx.options, a RunOptions, from `deployctl build`): local, update_lock, prune,
+no_cache, ci, inputs_dir, input_roots, chain_vars.
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def apply(dep: "Deployment", actions: list[Action], ctx: "RunContext") -> list[H
     opts = ctx.options
     e = dep.recipe.engine
     assert e.chain
-    chain = load_chain(e.chain, inputs_dir=opts.get("inputs_dir"), input_roots=opts.get("input_roots"),
-                       var_overrides=opts.get("vars"))
+    chain = load_chain(e.chain, inputs_dir=opts.inputs_dir, input_roots=opts.input_roots,
+                       var_overrides=opts.chain_vars)
     notes = check_inputs(chain)        # InputError propagates: exit 2, nothing touched
 
     def one(action: Action, log: "HostLog") -> HostResult:
@@ -67,14 +67,14 @@ def _build_on(dep, action, log, ctx, chain, notes) -> HostResult:
 
     opts, e = ctx.options, dep.recipe.engine
     head = dep.cluster.host(action.host)
-    where = "local engine" if opts.get("local") else f"{head.name} ({head.ssh_url})"
+    where = "local engine" if opts.local else f"{head.name} ({head.ssh_url})"
     for n in notes:
         log.write(n)
-    client = de.engine_client(dep.cluster, head, local=bool(opts.get("local")))
+    client = de.engine_client(dep.cluster, head, local=opts.local)
     try:
         engine = f"{where}: {de.engine_name(client)}"
         log.write(f"engine {engine}")
-        if opts.get("update_lock"):
+        if opts.update_lock:
             base, msg = locks.resolve_base(client, chain.lock.base)
             changed = locks.pin_changed(chain.lock.base, base)
             chain = locks.write_lock(chain, base)
@@ -83,7 +83,7 @@ def _build_on(dep, action, log, ctx, chain, notes) -> HostResult:
             ctx.say(f"  {msg}")
         builder = ChainBuilder(client, chain, final_tag=e.image, where=engine,
                                log_for=lambda step: ctx.host_log(head.name, f"build-{step}"),
-                               say=ctx.say, cancel=ctx.cancel, no_cache=bool(opts.get("no_cache")))
+                               say=ctx.say, cancel=ctx.cancel, no_cache=opts.no_cache)
         try:
             report = builder.build()
         except ChainFailed as f:
@@ -91,7 +91,7 @@ def _build_on(dep, action, log, ctx, chain, notes) -> HostResult:
             step_log = next((s.log for s in f.report.steps if s.name == f.step), None)
             return HostResult(head.name, "build", "failed", str(f), tail=f.tail, log_path=step_log,
                               data={"report": f.report.to_json()})
-        if opts.get("prune"):
+        if opts.prune:
             report.pruned = builder.prune()
             ctx.say(f"  prune: removed {len(report.pruned)} stale image(s)/tag(s) of chain {chain.name}")
         report.notes.extend(notes)
@@ -111,7 +111,7 @@ def _record(ctx: "RunContext", report: Any, log: "HostLog") -> None:
     path = ctx.write_json(REPORT_FILE, report.to_json())
     log.write(f"report: {path}")
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if ctx.options.get("ci") and summary:
+    if ctx.options.ci and summary:
         rows = [f"| {s.name} | {s.kind} | {s.status} | `{s.digest.split(':')[-1][:12]}` | "
                 f"`{s.image_id.split(':')[-1][:12]}` | {s.seconds:.1f}s |" for s in report.steps]
         with open(summary, "a") as fh:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from ..executors.docker_cli import docker_argv, docker_sh
 from ..outcomes import HostFailure, HostResult, run_per_host
@@ -20,6 +21,9 @@ from ..ship import transfer as tr
 from ..ship.progress import ShipProgress
 from ..ship.transfer import Timeouts
 from .base import Stage
+
+if TYPE_CHECKING:
+    from ..runoptions import RunOptions
 
 
 def plan(dep):
@@ -37,10 +41,10 @@ def plan(dep):
     return acts, "" if acts else "single host: nothing to ship"
 
 
-def _timeouts(options: dict):
+def _timeouts(options: "RunOptions"):
     d = Timeouts()
-    stall = float(options.get("ship_stall_s") or d.stall_s)
-    deadline = float(options.get("ship_timeout_s") or d.deadline_s)
+    stall = float(options.ship_stall_s or d.stall_s)
+    deadline = float(options.ship_timeout_s or d.deadline_s)
     return Timeouts(connect_s=d.connect_s, stall_s=stall, deadline_s=deadline, load_s=min(d.load_s, deadline),
                     head_silence_s=max(d.head_silence_s, stall))
 
@@ -84,13 +88,13 @@ def apply(dep, actions, ctx):
         argvs, need = {}, set()
         for n in sends:
             w = workers[n]
-            key = ctx.options.get("head_ssh_key") or w.key_file
-            known = ctx.options.get("head_known_hosts") or cluster.known_hosts_file
+            key = ctx.options.ship_head_ssh_key or w.key_file
+            known = ctx.options.ship_head_known_hosts or cluster.known_hosts_file
             argvs[n] = tr.worker_ssh_argv(w, cluster, key, known, t)
             need.update(p for p in (key, known if cluster.host_key_checking else None) if p)
         spec = tr.agent_spec(head, head_host, sends, argvs, sorted(need), t)
         with SSHTarget.for_host(head_host, cluster, t.connect_s).connect() as s:
-            ctx.options.setdefault("cleanups", []).append(s.close)
+            ctx.state.cleanups.append(s.close)
             try:
                 done = tr.run_agent(s, spec, on_event, ctx.cancel, t)
             except SSHError as e:

@@ -122,7 +122,7 @@ def describe(job: TableJob, doc: dict[str, Any]) -> "tuple[Status, str] | None":
 
 def apply(dep, actions, ctx):
     jobs = [TableJob.of(a) for a in actions]
-    verify = bool(ctx.options.get("verify"))
+    verify = ctx.options.verify
     if verify:      # a run option, not part of the plan: the planned op plus --verify
         jobs = [with_verify(j) for j in jobs]
     return run_jobs(dep, actions, ctx, stage=STAGE_NAME, playbook=PLAYBOOK, hosts_key=HOSTS_KEY,
