@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrator.launch.render import PLE_MOUNT
 from orchestrator.deployment import load_deployment
-from orchestrator.launch.render import PLE_MOUNT, engine_argv
-from orchestrator.paths import INVENTORIES_DIR, RECIPES_DIR
-from orchestrator.recipe import load_recipe
+from orchestrator.paths import INVENTORIES_DIR
 from tests.conformance.engines import run_probe, versions
+from tests.conformance.rendered import probe_all, recipes_of, rendered_argvs
 
 # The first test of a session may build the engine's venv (.ci/conformance-venv: minutes, once).
 pytestmark = pytest.mark.timeout(1800)
@@ -26,30 +26,17 @@ SGLANG_RECIPES = {
 BACKEND = {"nvme": "file", "pinned": "pinned"}
 
 
-def _argvs() -> dict[tuple[str, str], list[str]]:
-    out = {}
-    for recipe, inv in SGLANG_RECIPES.items():
-        dep = load_deployment(INVENTORIES_DIR / inv, recipe)
-        head = dep.cluster.head_host
-        for h in dep.cluster.hosts:
-            out[(recipe, h.name)] = list(engine_argv(dep, h, head.fabric_address or head.address))
-    return out
-
-
-ARGVS = _argvs()
+ARGVS = rendered_argvs(SGLANG_RECIPES)
 CASES = sorted(ARGVS)
 
 
 @pytest.fixture(scope="module")
 def sglang_results() -> dict[tuple[str, str], dict]:
-    ans = run_probe("sglang_argv", {"argvs": [ARGVS[c] for c in CASES]})
-    assert ans["sglang_version"] == versions()["sglang"], "the venv holds another SGLang than versions.txt"
-    return dict(zip(CASES, ans["results"]))
+    return probe_all("sglang", ARGVS)
 
 
 def test_every_sglang_recipe_is_covered():
-    kinds = {p.stem: load_recipe(p.stem).recipe.engine.kind for p in RECIPES_DIR.glob("*.yml")}
-    assert {n for n, k in kinds.items() if k == "sglang"} == set(SGLANG_RECIPES)
+    assert recipes_of("sglang") == set(SGLANG_RECIPES)
 
 
 @pytest.mark.parametrize("recipe,host", CASES, ids=[f"{r}-{h}" for r, h in CASES])

@@ -16,12 +16,12 @@ import sys
 
 import pytest
 
-from orchestrator.deployment import load_deployment
-from orchestrator.launch.render import engine_argv
-from orchestrator.paths import INVENTORIES_DIR, RECIPES_DIR
-from orchestrator.recipe import load_recipe
 from orchestrator.tables import geometry as G
+from orchestrator.deployment import load_deployment
+from orchestrator.paths import INVENTORIES_DIR
+from orchestrator.recipe import load_recipe
 from tests.conformance.engines import ROOT, run_probe, versions
+from tests.conformance.rendered import probe_all, recipes_of, rendered_argvs
 
 # The first test of a session may build the engine's venv (.ci/conformance-venv: minutes, once).
 pytestmark = pytest.mark.timeout(1800)
@@ -36,33 +36,18 @@ VLLM_RECIPES = {
 ENGRAM_TP = (4, 8)
 
 
-def _argvs() -> dict[tuple[str, str], list[str]]:
-    """(recipe, host) -> the argv deployctl renders for that host (workers join the head)."""
-    out = {}
-    for recipe, inv in VLLM_RECIPES.items():
-        dep = load_deployment(INVENTORIES_DIR / inv, recipe)
-        head = dep.cluster.head_host
-        master = head.fabric_address or head.address
-        for h in dep.cluster.hosts:
-            out[(recipe, h.name)] = list(engine_argv(dep, h, master))
-    return out
-
-
-ARGVS = _argvs()
+ARGVS = rendered_argvs(VLLM_RECIPES)
 CASES = sorted(ARGVS)
 
 
 @pytest.fixture(scope="module")
 def vllm_results() -> dict[tuple[str, str], dict]:
     """One probe run for every argv (the engine's imports cost seconds, once)."""
-    ans = run_probe("vllm_argv", {"argvs": [ARGVS[c] for c in CASES]})
-    assert ans["vllm_version"] == versions()["vllm"], "the venv holds another vLLM than versions.txt"
-    return dict(zip(CASES, ans["results"]))
+    return probe_all("vllm", ARGVS)
 
 
 def test_every_vllm_recipe_is_covered():
-    kinds = {p.stem: load_recipe(p.stem).recipe.engine.kind for p in RECIPES_DIR.glob("*.yml")}
-    assert {n for n, k in kinds.items() if k == "vllm"} == set(VLLM_RECIPES)
+    assert recipes_of("vllm") == set(VLLM_RECIPES)
 
 
 def _explain(recipe: str, host: str, res: dict) -> str:
