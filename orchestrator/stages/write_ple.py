@@ -85,6 +85,7 @@ def plan(dep):
         return [], f"PLE placement is {p.placement}: the engine loads it from the checkpoint, no file"
     spec = spec_for(dep.recipe)
     table = parse_spec(spec)
+    tables = table.tables() if p.placement == "nvme" else []     # the same files on every host
     acts = []
     for h in dep.cluster.hosts:
         job = host_job(dep, h, spec)
@@ -93,7 +94,6 @@ def plan(dep):
                        f"MemAvailable >= {p.min_host_ram_gb:g} GB (ple.min_host_ram_gb)")
             details = {"placement": "pinned", "min_host_ram_gb": p.min_host_ram_gb}
         else:
-            tables = table.tables()
             names = ", ".join(t.file_name for t in tables)
             summary = (f"write {names} ({sum(t.nbytes for t in tables) / 1e9:.1f} GB, the file SGLang "
                        f"maps) to {dep.ple_dir(h)} unless the one there is still valid")

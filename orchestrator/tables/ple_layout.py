@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from .safetensors import DTYPE_BYTES
 
 VOCAB_PADDING = 64                 # vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 DEFAULT_DIVISIBLE_BY = 128         # configs/qwen4_exp.py Qwen4ExpTextConfig default
@@ -35,7 +36,6 @@ DEFAULT_SPLIT_PARTS = 512          # qwen4_exp.py load_weights: getattr(text_con
 # safetensors dtype -> str(torch dtype) without "torch." (what ple_table_file_name prints)
 TORCH_DTYPE = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "BF16": "bfloat16",
                "F16": "float16", "F32": "float32"}
-ELEMENT_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4}
 
 
 def _ceil_to(n: int, k: int) -> int:
@@ -62,7 +62,7 @@ class RankTable:
 
     @property
     def row_bytes(self) -> int:
-        return self.width * ELEMENT_BYTES[self.dtype]
+        return self.width * DTYPE_BYTES[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -118,12 +118,6 @@ def rank_table(rows_total: int, width: int, dtype: str, tp: int, rank: int, *,
     per = padded // tp
     start, end = min(rank * per, org), min((rank + 1) * per, org)
     return RankTable(tp, rank, rows_total, org, per, start, end, width, dtype, split_parts)
-
-
-def rank_tables(rows_total: int, width: int, dtype: str, tp: int, *, divisible_by: int,
-                split_parts: int) -> list[RankTable]:
-    return [rank_table(rows_total, width, dtype, tp, r, divisible_by=divisible_by,
-                       split_parts=split_parts) for r in range(tp)]
 
 
 # -- the checkpoint's config.json ----------------------------------------------------------------

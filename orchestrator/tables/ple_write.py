@@ -663,18 +663,18 @@ def check_table(spec: PleTableSpec, checkpoint: str | Path, dest: str | Path) ->
                 "reason": f"placement {spec.placement!r}: checked on the host by the op itself"}
     src = resolve_source(spec, checkpoint)
     dest = Path(dest)
+    tables = spec.tables()
     whys, ok = [], True
-    for t in spec.tables():
+    for t in tables:
         keep, why = keep_reason(read_manifest(dest, t.file_name), dest, t.file_name,
                                 table_key(spec, src, t), src, t.nbytes)
         ok, whys = ok and keep, whys + [why]
-    stale = [p.name for p in _others(dest, [t.file_name for t in spec.tables()])]
+    stale = [p.name for p in _others(dest, [t.file_name for t in tables])]
     if ok and stale:
         ok, whys = False, whys + [f"stale table files to remove: {', '.join(stale[:3])}"]
-    first = spec.tables()[0]
     return {"op": "ple-write", "status": "check", "up_to_date": ok,
             "reason": ("kept: " if ok else "") + "; ".join(whys),
-            "file": str(dest / first.file_name), "bytes": sum(t.nbytes for t in spec.tables())}
+            "file": str(dest / tables[0].file_name), "bytes": sum(t.nbytes for t in tables)}
 
 
 # -- command line -------------------------------------------------------------------------------

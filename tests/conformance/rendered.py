@@ -34,3 +34,25 @@ def probe_all(engine: str, argvs: dict[tuple[str, str], list[str]]) -> dict[tupl
 def recipes_of(kind: str) -> set[str]:
     """Every recipe in recipes/ whose engine is `kind` (the tests must cover each)."""
     return {p.stem for p in RECIPES_DIR.glob("*.yml") if load_recipe(p.stem).recipe.engine.kind == kind}
+
+
+def with_arg(argv: list[str], flag: str, value: str) -> list[str]:
+    """`argv` with `flag` set to `value` (replaced where present, appended otherwise)."""
+    a = list(argv)
+    if flag in a:
+        a[a.index(flag) + 1] = value
+    else:
+        a += [flag, value]
+    return a
+
+
+def assert_rejected(engine: str, cases: dict[str, tuple[list[str], str, str]]) -> None:
+    """Every case (argv, stage, text): the `<engine>_argv` probe refuses it at that stage, with that
+    text in its error: the probe really rejects what the engine rejects, where the engine does."""
+    names = sorted(cases)
+    ans = run_probe(f"{engine}_argv", {"argvs": [cases[n][0] for n in names]})
+    for name, res in zip(names, ans["results"]):
+        _, stage, text = cases[name]
+        assert not res["ok"], f"{name}: the probe accepted it"
+        assert res["stage"] == stage, (name, res["stage"], res["error"])
+        assert text in res["error"], (name, res["error"])

@@ -12,7 +12,8 @@ import pytest
 from orchestrator.launch.render import PLE_MOUNT
 from orchestrator.deployment import load_deployment
 from orchestrator.paths import INVENTORIES_DIR
-from tests.conformance.engines import run_probe, versions
+from tests.conformance.engines import versions
+from tests.conformance import rendered
 from tests.conformance.rendered import probe_all, recipes_of, rendered_argvs
 
 # The first test of a session may build the engine's venv (.ci/conformance-venv: minutes, once).
@@ -79,12 +80,7 @@ def test_wrong_flags_are_reported_by_the_released_parser():
     base = ARGVS[CASES[0]]
 
     def with_arg(flag: str, value: str) -> list[str]:
-        a = list(base)
-        if flag in a:
-            a[a.index(flag) + 1] = value
-        else:
-            a += [flag, value]
-        return a
+        return rendered.with_arg(base, flag, value)
 
     cases = {
         "bogus flag": (base + ["--definitely-not-an-sglang-flag", "1"], "parse",
@@ -96,10 +92,4 @@ def test_wrong_flags_are_reported_by_the_released_parser():
         "not launch_server": (["python3", "-m", "sglang.bench_serving"] + base[3:], "argv",
                               "sglang.launch_server"),
     }
-    names = sorted(cases)
-    ans = run_probe("sglang_argv", {"argvs": [cases[n][0] for n in names]})
-    for name, res in zip(names, ans["results"]):
-        _, stage, text = cases[name]
-        assert not res["ok"], f"{name}: the probe accepted it"
-        assert res["stage"] == stage, (name, res["stage"], res["error"])
-        assert text in res["error"], (name, res["error"])
+    rendered.assert_rejected("sglang", cases)

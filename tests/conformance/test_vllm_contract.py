@@ -21,6 +21,7 @@ from orchestrator.deployment import load_deployment
 from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.recipe import load_recipe
 from tests.conformance.engines import ROOT, run_probe, versions
+from tests.conformance import rendered
 from tests.conformance.rendered import probe_all, recipes_of, rendered_argvs
 
 # The first test of a session may build the engine's venv (.ci/conformance-venv: minutes, once).
@@ -105,12 +106,7 @@ def test_wrong_flags_are_reported_by_the_released_parser():
     base = ARGVS[CASES[0]]
 
     def with_arg(flag: str, value: str) -> list[str]:
-        a = list(base)
-        if flag in a:
-            a[a.index(flag) + 1] = value
-        else:
-            a += [flag, value]
-        return a
+        return rendered.with_arg(base, flag, value)
 
     cases = {
         "bogus flag": (base + ["--definitely-not-a-vllm-flag", "1"], "parse",
@@ -127,13 +123,7 @@ def test_wrong_flags_are_reported_by_the_released_parser():
                                "no_such_key"),
         "not vllm serve": (["vllm", "bench"] + base[2:], "argv", "vllm serve"),
     }
-    names = sorted(cases)
-    ans = run_probe("vllm_argv", {"argvs": [cases[n][0] for n in names]})
-    for name, res in zip(names, ans["results"]):
-        _, stage, text = cases[name]
-        assert not res["ok"], f"{name}: the probe accepted it"
-        assert res["stage"] == stage, (name, res["stage"], res["error"])
-        assert text in res["error"], (name, res["error"])
+    rendered.assert_rejected("vllm", cases)
 
 
 # -- (ii) Engram row ranges ----------------------------------------------------------------------

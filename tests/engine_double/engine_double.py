@@ -352,6 +352,13 @@ ENGRAM_LOCAL = "engram-local.json"
 ENGRAM_BLOCK = 32          # ParallelEngramEmbedding(block_size=32): one ue8m0 scale per 32 FP8 values
 
 
+def read_st_header(path: str) -> tuple[dict, int]:
+    """A safetensors file's JSON header and where its data starts (8 + header length)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
+
+
 class EngramError(Exception):
     """What makes the real engine raise while building a DiskEngramTable (the double exits 5)."""
 
@@ -489,11 +496,9 @@ class EngramDiskTable:
     def _open(folder: str, fname: str, tname: str) -> tuple:
         """DiskEngramTable._open: (path, 8 + n + data_offsets[0], shape)."""
         path = os.path.join(folder, fname)
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            hdr = json.loads(f.read(n))
+        hdr, data_start = read_st_header(path)
         meta = hdr[tname]
-        return path, 8 + n + meta["data_offsets"][0], tuple(meta["shape"])
+        return path, data_start + meta["data_offsets"][0], tuple(meta["shape"])
 
     def read(self, rel: list) -> list:
         """_kai_pread_rows for the weight and the scale: [(weight row, scale row)] per rank-local row."""
@@ -664,13 +669,11 @@ def _safetensors_index(model: str) -> dict[str, tuple[str, int, int, str]]:
     out = {}
     for name in files:
         path = os.path.join(model, name)
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
+        header, data_start = read_st_header(path)
         for t, meta in header.items():
             if t != "__metadata__":
                 lo, hi = meta["data_offsets"]
-                out[t] = (path, 8 + n + lo, hi - lo, meta["dtype"])
+                out[t] = (path, data_start + lo, hi - lo, meta["dtype"])
     return out
 
 

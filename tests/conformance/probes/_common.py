@@ -58,3 +58,16 @@ def argparse_error(buf: io.StringIO, exc: SystemExit) -> str:
     if starts:
         return "\n".join(lines[starts[-1]:]).strip()
     return lines[-1].strip() if lines else f"SystemExit({exc.code})"
+
+
+def argv_result() -> tuple[dict[str, Any], Callable[[str, str], dict[str, Any]]]:
+    """An argv probe's result record and its `fail(stage, msg)`: the first failed check names the
+    stage and the engine's message; every check's outcome is kept under "checks"."""
+    res: dict[str, Any] = {"ok": False, "stage": None, "error": None, "checks": {},
+                           "flags": {}, "parsed": {}}
+
+    def fail(stage: str, msg: str) -> dict[str, Any]:
+        res["checks"][stage] = msg
+        res.update(stage=stage, error=msg)
+        return res
+    return res, fail

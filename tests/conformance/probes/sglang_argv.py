@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import argparse_error, captured_stderr, error_text, run  # noqa: E402
+from _common import argparse_error, argv_result, captured_stderr, error_text, run  # noqa: E402
 
 REPORTED = ("model_path", "served_model_name", "host", "port", "tp_size", "ple_offload_embedding",
             "ple_offload_backend", "ple_offload_dir", "api_key", "speculative_algorithm",
@@ -49,14 +49,8 @@ def _plain(v: Any) -> Any:
 def check_one(argv: list[str], option_table: dict[str, argparse.Action]) -> dict[str, Any]:
     from sglang.srt.server_args import prepare_server_args
 
-    res: dict[str, Any] = {"ok": False, "stage": None, "error": None, "checks": {},
-                           "flags": {}, "parsed": {}}
+    res, fail = argv_result()
     checks = res["checks"]
-
-    def fail(stage: str, msg: str) -> dict[str, Any]:
-        checks[stage] = msg
-        res.update(stage=stage, error=msg)
-        return res
 
     if len(argv) < 3 or argv[1:3] != ["-m", "sglang.launch_server"]:
         return fail("argv", f"expected `python3 -m sglang.launch_server ...`, got {argv[:3]}")

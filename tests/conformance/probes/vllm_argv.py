@@ -32,7 +32,7 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import argparse_error, captured_stderr, error_text, run  # noqa: E402
+from _common import argparse_error, argv_result, captured_stderr, error_text, run  # noqa: E402
 
 REPORTED = ("model", "model_tag", "served_model_name", "host", "port", "tensor_parallel_size",
             "nnodes", "node_rank", "master_addr", "master_port", "headless",
@@ -119,14 +119,8 @@ def _speculative_fields(spec: dict[str, Any]) -> None:
 
 def check_one(argv: list[str], built) -> dict[str, Any]:
     parser, serve_parser, serve = built
-    res: dict[str, Any] = {"ok": False, "stage": None, "error": None, "checks": {},
-                           "flags": {}, "parsed": {}}
+    res, fail = argv_result()
     checks = res["checks"]
-
-    def fail(stage: str, msg: str) -> dict[str, Any]:
-        checks[stage] = msg
-        res.update(stage=stage, error=msg)
-        return res
 
     if len(argv) < 2 or argv[0] != "vllm" or argv[1] != "serve":
         return fail("argv", f"expected `vllm serve ...`, got {argv[:2]}")
