@@ -26,10 +26,11 @@ import os
 import select
 import shlex
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Iterable, Sequence
+from typing import TYPE_CHECKING, BinaryIO, Callable, Iterable, Sequence
 
 import paramiko
 
@@ -58,6 +59,10 @@ class HostKeyError(SSHError):
 
 class SSHTimeout(SSHError):
     pass
+
+
+class SSHSilent(SSHTimeout):
+    """A command produced no output for its idle timeout (a cut link, a wedged host)."""
 
 
 @dataclass(frozen=True)
@@ -216,40 +221,20 @@ class SSHSession:
     def run(self, argv: Sequence[str] | str, timeout: float = 60.0, stdin: bytes | str | None = None,
             env: dict[str, str] | None = None) -> Result:
         """Run a command; its output is returned whole (use open_exec for large streams)."""
-        cmd = command_line(argv)
-        ch = self._channel(cmd, env)
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
-        out, err = bytearray(), bytearray()
         deadline = time.monotonic() + timeout
-        sent = 0
-        if not data:
-            ch.shutdown_write()
-        try:
-            while True:
-                busy = False
-                while ch.recv_ready():
-                    out += ch.recv(CHUNK)
-                    busy = True
-                while ch.recv_stderr_ready():
-                    err += ch.recv_stderr(CHUNK)
-                    busy = True
-                if sent < len(data) and ch.send_ready():
-                    sent += ch.send(data[sent:sent + CHUNK])
-                    if sent >= len(data):
-                        ch.shutdown_write()
-                    busy = True
-                if ch.exit_status_ready() and not ch.recv_ready() and not ch.recv_stderr_ready() \
-                        and (ch.eof_received or ch.closed):
-                    break
-                if time.monotonic() > deadline:
-                    raise SSHTimeout(self.target.host, f"command timed out after {timeout:g}s: `{cmd}`"
-                                     + _tail_note(out, err))
-                if not busy:
-                    select.select([ch], [], [], 0.05)
-            rc = ch.recv_exit_status()
-        finally:
-            ch.close()
-        return Result(rc, out.decode(errors="replace"), err.decode(errors="replace"))
+        with self.open_exec(argv, idle_timeout=timeout, env=env, keep=None) as ex:
+            if data:
+                try:
+                    ex.write(data)
+                except SSHTimeout:
+                    raise SSHTimeout(self.target.host, f"command timed out after {timeout:g}s: `{ex.cmd}`"
+                                     + _tail_note(ex._out, ex._err)) from None
+            try:
+                return ex.finish(max(deadline - time.monotonic(), 0.0))
+            except SSHTimeout:
+                raise SSHTimeout(self.target.host, f"command timed out after {timeout:g}s: `{ex.cmd}`"
+                                 + _tail_note(ex._out, ex._err)) from None
 
     def check(self, argv: Sequence[str] | str, timeout: float = 60.0, stdin: bytes | str | None = None) -> Result:
         """run(), raising SSHError (with the command, code and output tail) unless it exits 0."""
@@ -259,10 +244,11 @@ class SSHSession:
                            + _tail_note(r.stdout.encode(), r.stderr.encode()))
         return r
 
-    def open_exec(self, argv: Sequence[str] | str, idle_timeout: float = 60.0) -> "RemoteExec":
-        """Start a command whose stdin you stream into (bounded memory); see RemoteExec."""
+    def open_exec(self, argv: Sequence[str] | str, idle_timeout: float = 60.0,
+                  env: dict[str, str] | None = None, keep: int | None = TAIL_BYTES) -> "RemoteExec":
+        """Start a command to stream into and read from as it runs (bounded memory); see RemoteExec."""
         cmd = command_line(argv)
-        return RemoteExec(self.target.host, cmd, self._channel(cmd, None), idle_timeout)
+        return RemoteExec(self.target.host, cmd, self._channel(cmd, env), idle_timeout, keep)
 
     # -- files ---------------------------------------------------------------------------------
     def _sftp(self, timeout: float) -> paramiko.SFTPClient:
@@ -316,16 +302,23 @@ class SSHSession:
 
 
 class RemoteExec:
-    """A running remote command: write() / copy_from() into its stdin, then finish() -> Result.
+    """A running remote command, the one way deployctl reads a command's output as it comes.
 
-    Output is drained while writing (so the remote never blocks on a full pipe) and only its last
-    TAIL_BYTES are kept. Each write waits at most idle_timeout for the remote to take data.
+    write() / copy_from() stream into its stdin in CHUNK pieces; read() hands over each output line
+    (split on \n and on \r, so progress meters count) until the command ends, `until` says stop,
+    `cancel` is set, the overall deadline passes or nothing arrives for `idle_timeout`; finish() closes
+    stdin and reads to the end -> Result. Output is drained while writing (the remote never blocks on
+    a full pipe) and only its last `keep` bytes are kept (None: all of it, for run()).
     """
 
-    def __init__(self, host: str, cmd: str, ch: paramiko.Channel, idle_timeout: float):
-        self.host, self.cmd, self.ch, self.idle_timeout = host, cmd, ch, idle_timeout
+    def __init__(self, host: str, cmd: str, ch: paramiko.Channel, idle_timeout: float,
+                 keep: int | None = TAIL_BYTES):
+        self.host, self.cmd, self.ch, self.idle_timeout, self.keep = host, cmd, ch, idle_timeout, keep
         self._out, self._err = bytearray(), bytearray()
+        self._lines = {"out": bytearray(), "err": bytearray()}
+        self._on_line: Callable[[str, str], None] | None = None
         self.bytes_sent = 0
+        self.last_output = time.monotonic()
 
     def __enter__(self) -> "RemoteExec":
         return self
@@ -333,14 +326,92 @@ class RemoteExec:
     def __exit__(self, *exc) -> None:
         self.ch.close()
 
-    def _drain(self) -> None:
-        while self.ch.recv_ready():
-            self._out += self.ch.recv(CHUNK)
-            del self._out[:-TAIL_BYTES]
-        while self.ch.recv_stderr_ready():
-            self._err += self.ch.recv_stderr(CHUNK)
-            del self._err[:-TAIL_BYTES]
+    # -- output ----------------------------------------------------------------------------------
+    def _take(self, kind: str, data: bytes) -> None:
+        buf = self._out if kind == "out" else self._err
+        buf += data
+        if self.keep is not None:
+            del buf[:-self.keep]
+        self.last_output = time.monotonic()
+        if self._on_line is None:
+            return
+        pending = self._lines[kind]
+        pending += data
+        while True:
+            cuts = [i for i in (pending.find(b"\n"), pending.find(b"\r")) if i >= 0]
+            if not cuts:
+                break
+            i = min(cuts)
+            line = pending[:i].decode(errors="replace")
+            del pending[:i + 1]
+            if line.strip():
+                self._on_line(kind, line)
 
+    def _drain(self) -> bool:
+        got = False
+        while self.ch.recv_ready():
+            self._take("out", self.ch.recv(CHUNK))
+            got = True
+        while self.ch.recv_stderr_ready():
+            self._take("err", self.ch.recv_stderr(CHUNK))
+            got = True
+        return got
+
+    def _ended(self) -> bool:
+        ch = self.ch
+        return (ch.exit_status_ready() and not ch.recv_ready() and not ch.recv_stderr_ready()
+                and (ch.eof_received or ch.closed))
+
+    def read(self, on_line: Callable[[str, str], None] | None = None, *, timeout: float = 600.0,
+             idle_timeout: float | None = None, cancel: threading.Event | None = None,
+             until: Callable[[str, str], bool] | None = None) -> int | None:
+        """Read until the command ends: its exit code. ON_LINE(kind, line) gets each line of stdout
+        ("out") and stderr ("err"). Returns None, the command still running, when UNTIL(kind, line)
+        is true for a line or CANCEL is set. Raises SSHTimeout past TIMEOUT, or when nothing arrives
+        for IDLE_TIMEOUT (a cut link, a wedged host)."""
+        stop: list[bool] = []
+
+        def line(kind: str, text: str) -> None:
+            if on_line:
+                on_line(kind, text)
+            if until and until(kind, text):
+                stop.append(True)
+        self._on_line = line if (on_line or until) else None
+        deadline = time.monotonic() + timeout
+        self.last_output = time.monotonic()
+        try:
+            while True:
+                busy = self._drain()
+                if stop or (cancel is not None and cancel.is_set()):
+                    return None
+                if self._ended():
+                    break
+                now = time.monotonic()
+                if now > deadline:
+                    raise SSHTimeout(self.host, f"`{self.cmd}` did not finish within {timeout:g}s"
+                                     + _tail_note(self._out, self._err))
+                if idle_timeout is not None and now - self.last_output > idle_timeout:
+                    raise SSHSilent(self.host, f"`{self.cmd}` went silent for {idle_timeout:g}s"
+                                     + _tail_note(self._out, self._err))
+                if not busy:
+                    select.select([self.ch], [], [], 0.05)
+            for kind, pending in self._lines.items():   # a last line without its newline
+                if pending.strip() and self._on_line:
+                    self._on_line(kind, pending.decode(errors="replace"))
+                pending.clear()
+            return self.ch.recv_exit_status()
+        finally:
+            self._on_line = None
+
+    @property
+    def stdout(self) -> str:
+        return self._out.decode(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self._err.decode(errors="replace")
+
+    # -- input -----------------------------------------------------------------------------------
     def write(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
@@ -372,21 +443,24 @@ class RemoteExec:
                 self.write(chunk)
         return self.bytes_sent
 
-    def finish(self, timeout: float = 600.0) -> Result:
-        """Close stdin, wait for the command to end (at most TIMEOUT), return its code and output tail."""
+    def close_stdin(self) -> None:
         self.ch.shutdown_write()
-        deadline = time.monotonic() + timeout
-        while not (self.ch.exit_status_ready() and (self.ch.eof_received or self.ch.closed)):
-            self._drain()
-            if time.monotonic() > deadline:
-                self.ch.close()
-                raise SSHTimeout(self.host, f"`{self.cmd}` did not finish within {timeout:g}s"
-                                 + _tail_note(self._out, self._err))
-            select.select([self.ch], [], [], 0.05)
-        self._drain()
-        rc = self.ch.recv_exit_status()
+
+    def finish(self, timeout: float = 600.0, on_line: Callable[[str, str], None] | None = None, *,
+               idle_timeout: float | None = None, cancel: threading.Event | None = None) -> Result:
+        """Close stdin, read to the end (at most TIMEOUT), return its code and output (tail).
+        A set CANCEL raises SSHError("cancelled")."""
+        self.close_stdin()
+        try:
+            rc = self.read(on_line, timeout=timeout, idle_timeout=idle_timeout, cancel=cancel)
+        except SSHTimeout:
+            self.ch.close()
+            raise
+        if rc is None:
+            self.ch.close()
+            raise SSHError(self.host, f"`{self.cmd}` cancelled")
         self.ch.close()
-        return Result(rc, self._out.decode(errors="replace"), self._err.decode(errors="replace"))
+        return Result(rc, self.stdout, self.stderr)
 
 
 def _tail_note(out: bytes | bytearray, err: bytes | bytearray, lines: int = 10) -> str:

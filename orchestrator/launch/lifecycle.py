@@ -6,7 +6,6 @@ only when no container of the deployment is left on it; a host that cannot be re
 """
 from __future__ import annotations
 
-import select
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -126,20 +125,9 @@ def follow(sh: HostShell, container: str, tail: int, emit: Callable[[str], None]
     """Stream `docker logs -f` from the host line by line into EMIT until STOP is set or it ends."""
     with sh.target.connect() as session:
         with session.open_exec(logs_argv(sh.host.docker_host, container, tail, follow=True)) as ex:
-            ch, buf = ex.ch, b""
-            while not stop.is_set():
-                if ch.recv_ready():
-                    buf += ch.recv(65536)
-                    *lines, buf = buf.split(b"\n")
-                    for line in lines:
-                        emit(line.decode(errors="replace"))
-                    continue
-                if ch.exit_status_ready() and not ch.recv_ready():
-                    break
-                select.select([ch], [], [], 0.2)
-            if buf:
-                emit(buf.decode(errors="replace"))
-
+            ex.close_stdin()
+            # No overall deadline: following lasts until STOP (Ctrl-C) or the container's end.
+            ex.read(lambda kind, line: emit(line), timeout=float("inf"), cancel=stop)
 
 
 def find_containers(dep: "Deployment", shells: Shells, names: list[str]) -> tuple[dict[str, str], dict[str, str]]:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import getpass
 import os
 import re
-import select
 import shlex
 import socket
 import time
 from typing import TYPE_CHECKING
 
 from ..errors import StageFailed
-from ..executors.ssh import SSHError, SSHSession, command_line
+from ..executors.ssh import RemoteExec, SSHError, SSHSession, command_line
 from .remote import ssh_target
 
 if TYPE_CHECKING:
@@ -53,7 +52,7 @@ class HeadLock:
         self.head = dep.cluster.head_host
         self.path = lock_path(dep.name)
         self._session: SSHSession | None = None
-        self._ch = None
+        self._ex: RemoteExec | None = None
 
     def __enter__(self) -> "HeadLock":
         self.acquire()
@@ -72,21 +71,21 @@ class HeadLock:
                  "echo LOCKED; exec cat")
         cmd = command_line(["flock", "-n", "-E", str(BUSY), path, "-c", inner])
         try:
-            self._ch = self._session.transport.open_session(timeout=self.timeout)
-            self._ch.exec_command(cmd)
-        except Exception as e:  # noqa: BLE001 - paramiko raises several kinds here
+            self._ex = self._session.open_exec(cmd, idle_timeout=self.timeout)
+            # `cat` holds the lock while stdin stays open: read until LOCKED, never close stdin here
+            rc = self._ex.read(timeout=self.timeout, until=lambda kind, line: line.strip() == "LOCKED")
+        except SSHError as e:
             self.release()
             raise StageFailed(f"cannot take the deployment lock {path} on the head {head}: {e}") from None
-        out, err = self._wait()
-        if "LOCKED" in out:
+        if rc is None:
             return
-        rc = self._ch.recv_exit_status() if self._ch.exit_status_ready() else None
         holder = ""
         if rc == BUSY:
             try:
                 holder = self._session.run(["cat", path], timeout=10).stdout.strip()
             except SSHError:
                 pass
+        out, err = self._ex.stdout, self._ex.stderr
         self.release()
         if rc == BUSY:
             raise LockHeld(f"deployment {self.dep.name} is locked on the head {head} ({path}): another "
@@ -95,29 +94,15 @@ class HeadLock:
         raise StageFailed(f"cannot take the deployment lock {path} on the head {head}: flock exited "
                           f"{rc}: {err.strip()[-300:] or out.strip()[-300:] or 'no output'}")
 
-    def _wait(self) -> tuple[str, str]:
-        ch, out, err = self._ch, b"", b""
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            while ch.recv_ready():
-                out += ch.recv(4096)
-            while ch.recv_stderr_ready():
-                err += ch.recv_stderr(4096)
-            if b"LOCKED" in out or (ch.exit_status_ready() and not ch.recv_ready()
-                                    and not ch.recv_stderr_ready()):
-                break
-            select.select([ch], [], [], 0.1)
-        return out.decode(errors="replace"), err.decode(errors="replace")
-
     def release(self) -> None:
         """Close the lock's session: `cat` sees EOF, flock exits, the lock is free."""
-        if self._ch is not None:
+        if self._ex is not None:
             try:
-                self._ch.shutdown_write()
-                self._ch.close()
+                self._ex.close_stdin()
+                self._ex.ch.close()
             except Exception:  # noqa: BLE001 - closing a dead channel
                 pass
-            self._ch = None
+            self._ex = None
         if self._session is not None:
             self._session.close()
             self._session = None

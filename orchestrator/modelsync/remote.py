@@ -9,8 +9,6 @@
 from __future__ import annotations
 
 import json
-import select
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -68,60 +66,19 @@ def _short(msg: str, host: str, op: str) -> str:
 
 def stream(session: "SSHSession", argv: list[str], stdin: bytes, timeout: float,
            on_line: Callable[[str], None]) -> tuple[int, str, str]:
-    """Run ARGV, feed STDIN, call ON_LINE for each stdout/stderr line (\\r or \\n ended) as it comes.
-
-    Returns (rc, stdout tail, stderr tail). Past TIMEOUT the channel is closed and HostFailure
-    raised (the command itself must bound its own run on the host too, e.g. with `timeout`)."""
-    from ..executors.ssh import SSHError
-    deadline = time.monotonic() + timeout
+    """Run ARGV, feed STDIN, call ON_LINE for each stdout/stderr line (\\r or \\n ended) as it comes
+    (executors/ssh.py RemoteExec). Returns (rc, stdout tail, stderr tail). Past TIMEOUT the channel
+    is closed and HostFailure raised (the command bounds its own run on the host too, with `timeout`)."""
+    from ..executors.ssh import SSHError, SSHTimeout
     host = session.target.host
     try:
-        ex = session.open_exec(argv, idle_timeout=min(timeout, 60.0))
+        with session.open_exec(argv, idle_timeout=min(timeout, 60.0), keep=KEEP_TAIL) as ex:
+            ex.write(stdin)
+            try:
+                r = ex.finish(timeout, lambda kind, line: on_line(line))
+            except SSHTimeout:
+                raise HostFailure(f"{host}: `{argv[0]} ...` did not finish within {timeout:g}s",
+                                  tail=ex.stderr.splitlines()[-10:]) from None
     except SSHError as e:
         raise HostFailure(str(e)) from None
-    with ex:
-        try:
-            ex.write(stdin)
-        except SSHError as e:
-            raise HostFailure(str(e)) from None
-        ch = ex.ch
-        ch.shutdown_write()
-        bufs = {"out": bytearray(), "err": bytearray()}
-        tails = {"out": bytearray(), "err": bytearray()}
-
-        def feed(kind: str, data: bytes) -> None:
-            tails[kind] += data
-            del tails[kind][:-KEEP_TAIL]
-            buf = bufs[kind]
-            buf += data
-            while True:
-                cuts = [i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0]
-                if not cuts:
-                    break
-                i = min(cuts)
-                line = buf[:i].decode(errors="replace")
-                del buf[:i + 1]
-                if line.strip():
-                    on_line(line)
-
-        while True:
-            busy = False
-            while ch.recv_ready():
-                feed("out", ch.recv(65536))
-                busy = True
-            while ch.recv_stderr_ready():
-                feed("err", ch.recv_stderr(65536))
-                busy = True
-            if ch.exit_status_ready() and not ch.recv_ready() and not ch.recv_stderr_ready() \
-                    and (ch.eof_received or ch.closed):
-                break
-            if time.monotonic() > deadline:
-                raise HostFailure(f"{host}: `{argv[0]} ...` did not finish within {timeout:g}s",
-                                  tail=tails["err"].decode(errors="replace").splitlines()[-10:])
-            if not busy:
-                select.select([ch], [], [], 0.2)
-        for kind in bufs:
-            if bufs[kind].strip():
-                on_line(bufs[kind].decode(errors="replace"))
-        rc = ch.recv_exit_status()
-    return rc, tails["out"].decode(errors="replace"), tails["err"].decode(errors="replace")
+    return r.rc, r.stdout, r.stderr

@@ -8,15 +8,14 @@ orchestrates: it reads the agent's JSON lines (progress, per-worker results) and
 from __future__ import annotations
 
 import json
-import select
 import shlex
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..executors.docker_cli import docker_argv
+from ..executors.ssh import SSHSilent, SSHTimeout
 from .layers import layers_to_send, present_chains
 
 if TYPE_CHECKING:
@@ -210,47 +209,35 @@ def run_agent(s: "SSHSession", spec: dict[str, Any], on_event: Callable[[dict], 
               cancel: threading.Event, t: Timeouts) -> dict[str, Any]:
     """Run the agent on the head; each JSON line goes to on_event; returns its final "done" record."""
     argv = ["python3", "-c", agent_program(), json.dumps(spec)]
-    ex = s.open_exec(argv)
-    ch = ex.ch
-    buf, err = b"", b""
     done: dict[str, Any] | None = None
-    last = time.monotonic()
-    hard = last + t.deadline_s + t.load_s + 120
-    try:
-        while True:
-            if cancel.is_set():
-                raise ShipError("cancelled")
-            select.select([ch], [], [], 0.25)
-            got = False
-            while ch.recv_ready():
-                buf += ch.recv(65536)
-                got = True
-            while ch.recv_stderr_ready():
-                err = (err + ch.recv_stderr(65536))[-16384:]
-                got = True
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if ev.get("ev") == "done":
-                    done = ev
-                on_event(ev)
-            now = time.monotonic()
-            if got:
-                last = now
-            if ch.exit_status_ready() and not ch.recv_ready() and not ch.recv_stderr_ready():
-                break
-            if now - last > t.head_silence_s:
-                raise ShipError(f"lost contact with the head: no word from it for {t.head_silence_s:g}s")
-            if now > hard:
-                raise ShipError("the transfer did not finish in time")
-        rc = ch.recv_exit_status()
-    finally:
-        ch.close()                 # the agent sees its stdin end and stops what it started
+
+    def line(kind: str, text: str) -> None:
+        nonlocal done
+        if kind != "out":
+            return
+        try:
+            ev = json.loads(text)
+        except ValueError:
+            return
+        if ev.get("ev") == "done":
+            done = ev
+        on_event(ev)
+
+    # The agent beats every heartbeat_s: silence longer than head_silence_s is a lost head.
+    with s.open_exec(argv, keep=16384) as ex:
+        try:
+            rc = ex.read(line, timeout=t.deadline_s + t.load_s + 120, idle_timeout=t.head_silence_s,
+                         cancel=cancel)
+        except SSHSilent:
+            raise ShipError(f"lost contact with the head: no word from it for {t.head_silence_s:g}s") from None
+        except SSHTimeout:
+            raise ShipError("the transfer did not finish in time") from None
+        if rc is None:
+            raise ShipError("cancelled")
+        err = ex.stderr
+    # leaving the block closes the channel: the agent sees its stdin end and stops what it started
     if done is None:
-        tail = err.decode(errors="replace").strip().splitlines()[-10:]
+        tail = err.strip().splitlines()[-10:]
         raise ShipError(f"the ship agent on the head exited {rc} without a result", tail=tail, rc=rc)
     return done
 
