@@ -2,13 +2,14 @@
 
 Failures are values: `fn` raises `HostFailure` (or anything else) and the runner turns it into a
 failed `HostResult`; one failed host never loses the others' results. `run_per_host` returns a
-`HostResults`, a list with `.succeeded` and `.failed` (like fabric's GroupResult).
+`HostResults`, a list with `.succeeded` and `.failed` (like fabric's GroupResult); `parallel` runs a
+plain function per host (or any item) and returns a `PerItem` dict with `.ok` and `.failed`.
 """
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Literal, TypeVar
 
 if TYPE_CHECKING:   # annotations only: never imported at run time (keeps this module a leaf)
     from .plan import Action
@@ -79,6 +80,43 @@ class HostResults(list):
         return HostResults([*other, *self])
 
 
+K = TypeVar("K")
+T = TypeVar("T")
+
+
+class PerItem(dict, Generic[K, T]):
+    """{item: fn(item)} from `parallel`, where a value may be the exception that item raised;
+    `.ok` and `.failed` split them."""
+
+    @property
+    def ok(self) -> "dict[K, T]":
+        return {k: v for k, v in self.items() if not isinstance(v, BaseException)}
+
+    @property
+    def failed(self) -> "dict[K, BaseException]":
+        return {k: v for k, v in self.items() if isinstance(v, BaseException)}
+
+
+def _map(items: list, fn: Callable, max_workers: int | None = None) -> list:
+    """fn over items, all at once (one thread each unless MAX_WORKERS), in order."""
+    if not items:
+        return []
+    with ThreadPoolExecutor(max_workers=max_workers or len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def parallel(items: "Iterable[K]", fn: "Callable[[K], T]") -> "PerItem[K, T]":
+    """fn(item) for every item at once; an exception is that item's value (never lost, never raised)."""
+    items = list(items)
+
+    def one(item: K) -> "T | BaseException":
+        try:
+            return fn(item)
+        except Exception as e:  # noqa: BLE001 - per-item failures are values
+            return e
+    return PerItem(zip(items, _map(items, one)))
+
+
 PerHostFn = Callable[["Action", "HostLog"], "HostResult | str | None"]
 
 
@@ -110,7 +148,4 @@ def run_per_host(actions: "list[Action]", ctx: "RunContext", fn: PerHostFn,
         ctx.event("action-end", **res.to_json())
         return res
 
-    if not actions:
-        return HostResults()
-    with ThreadPoolExecutor(max_workers=max_workers or len(actions)) as pool:
-        return HostResults(pool.map(one, actions))
+    return HostResults(_map(list(actions), one, max_workers))

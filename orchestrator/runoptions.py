@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 
 def _frozen_map(m: Mapping[str, str] | None) -> Mapping[str, str] | None:
@@ -57,7 +57,11 @@ class RunOptions:
         object.__setattr__(self, "chain_vars", _frozen_map(self.chain_vars))
 
 
-class Closeable(Protocol):
+class ShellPool(Protocol):
+    """What RunState.shells holds: executors/shells.py `Shells` (named by shape: this module is a leaf)."""
+
+    def __getitem__(self, host: str) -> Any: ...
+
     def close(self) -> None: ...
 
 
@@ -67,4 +71,4 @@ class RunState:
     launched: set[str] = field(default_factory=set)       # hosts whose containers launch started (health)
     cleanups: list[Callable[[], None]] = field(default_factory=list)          # the runner runs these last
     failure_cleanups: list[Callable[[], None]] = field(default_factory=list)  # ... and these when a stage failed
-    shells: Closeable | None = None   # the stages' shared SSH sessions (launch.remote.Shells), closed by the CLI
+    shells: ShellPool | None = None   # the stages' shared SSH sessions (executors/shells.py run_shells), closed by the CLI

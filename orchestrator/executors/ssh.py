@@ -23,6 +23,7 @@ import base64
 import hashlib
 import logging
 import os
+import re
 import select
 import shlex
 import socket
@@ -468,3 +469,11 @@ def _tail_note(out: bytes | bytearray, err: bytes | bytearray, lines: int = 10) 
     if not text:
         return ""
     return "; last output:\n" + "\n".join(text.splitlines()[-lines:])
+
+
+def short_reason(e: BaseException) -> str:
+    """An exception as one short line: SSH errors without the host prefix and the command text."""
+    text = str(e)
+    if isinstance(e, SSHError) and text.startswith(e.host + ": "):
+        text = text[len(e.host) + 2:]
+    return re.sub(r"`[^`]{60,}`", "a command", text)

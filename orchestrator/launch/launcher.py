@@ -33,7 +33,8 @@ from . import api, probe
 from .containers import Container, memory_gate, remove_all, run_argv, start
 from .fabric import Fabric, choose_fabric
 from .lifecycle import remove_everywhere
-from .remote import Shells, parallel, run_shells
+from ..executors.shells import Shells, run_shells
+from ..outcomes import parallel
 from .results import failure, record
 from .render import ContainerSpec, container_spec, expand_env, start_sequence
 
@@ -47,7 +48,7 @@ def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostR
     names = [a.host for a in actions]
     logs = {n: ctx.host_log(n, STAGE) for n in names}
     try:
-        return _Launch(dep, ctx, run_shells(dep, ctx.state), names, logs, environ).run()
+        return _Launch(dep, ctx, run_shells(dep.cluster, ctx.state), names, logs, environ).run()
     finally:
         for log in logs.values():
             log.close()
@@ -86,9 +87,7 @@ class _Launch:
         for n in names:
             self.ctx.event("action-start", host=n, stage=STAGE, op=what)
         res = parallel(names, fn)
-        ok = {n: v for n, v in res.items() if not isinstance(v, BaseException)}
-        bad = {n: v for n, v in res.items() if isinstance(v, BaseException)}
-        return ok, bad
+        return res.ok, res.failed
 
     # -- steps -------------------------------------------------------------------------------
     def probe_host(self, name: str) -> probe.HostRead:

@@ -15,7 +15,8 @@ from ..secrets import mask_text
 from . import api, probe
 from .commands import list_argv, logs_argv
 from .containers import Container, list_containers, logs_tail, remove_all
-from .remote import HostShell, Shells, parallel
+from ..executors.shells import HostShell, Shells
+from ..outcomes import parallel
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
@@ -41,7 +42,7 @@ def save_engine_logs(sh: HostShell, containers: list[Container], ctx: "RunContex
 def remove_everywhere(dep: "Deployment", names: list[str], ctx: "RunContext | None" = None
                       ) -> dict[str, "list[Container] | BaseException"]:
     """Stop, remove and verify gone on every host in NAMES, in parallel (logs saved to CTX first)."""
-    with Shells(dep, CLEANUP_CONNECT_S) as shells:
+    with Shells(dep.cluster, CLEANUP_CONNECT_S) as shells:
         def one(name: str) -> list[Container]:
             sh = shells[name]
             if ctx is not None:
@@ -86,7 +87,7 @@ def host_status(dep: "Deployment", sh: HostShell) -> dict[str, Any]:
 
 def cluster_status(dep: "Deployment") -> dict[str, Any]:
     names = [h.name for h in dep.cluster.hosts]
-    with Shells(dep, CLEANUP_CONNECT_S) as shells:
+    with Shells(dep.cluster, CLEANUP_CONNECT_S) as shells:
         rows = parallel(names, lambda n: host_status(dep, shells[n]))
     r = dep.recipe
     with api.http_client() as client:
@@ -134,16 +135,9 @@ def find_containers(dep: "Deployment", shells: Shells, names: list[str]) -> tupl
     """Per host in NAMES, in parallel: the deployment's newest container ID, or why there is none.
     Returns (ids, problems), both keyed by host name in the order of NAMES."""
     found = parallel(names, lambda n: container_name(dep, shells[n]))
-    ids: dict[str, str] = {}
-    problems: dict[str, str] = {}
-    for n in names:
-        v = found[n]
-        if isinstance(v, BaseException):
-            problems[n] = f"unreachable: {v}"
-        elif v is None:
-            problems[n] = f"no container of {dep.name}"
-        else:
-            ids[n] = v
+    problems = {n: f"unreachable: {e}" for n, e in found.failed.items()}
+    problems.update({n: f"no container of {dep.name}" for n, v in found.ok.items() if v is None})
+    ids = {n: v for n, v in found.ok.items() if v is not None}
     return ids, problems
 
 
@@ -151,17 +145,11 @@ def tail_logs(dep: "Deployment", names: list[str], tail: int
               ) -> tuple[dict[str, str], dict[str, list[str]], dict[str, str]]:
     """The last TAIL lines (masked) of each host's container, fetched in parallel.
     Returns (container ids, lines per host, problems per host), in the order of NAMES."""
-    with Shells(dep) as shells:
+    with Shells(dep.cluster) as shells:
         ids, problems = find_containers(dep, shells, names)
         texts = parallel(list(ids), lambda n: logs_tail(shells[n], ids[n], tail, timeout=LOGS_TAIL_TIMEOUT_S))
-    docs: dict[str, list[str]] = {}
-    for n in names:
-        if n in problems:
-            continue
-        if isinstance(texts[n], BaseException):
-            problems[n] = str(texts[n])
-            continue
-        docs[n] = [mask_text(line) for line in texts[n]]
+    problems.update({n: str(e) for n, e in texts.failed.items()})
+    docs = {n: [mask_text(line) for line in lines] for n, lines in texts.ok.items()}
     return ids, docs, problems
 
 
@@ -169,7 +157,7 @@ def follow_logs(dep: "Deployment", names: list[str], tail: int, emit: Callable[[
     """Stream every host's container log into EMIT(host, masked line), one thread a host, until every
     stream ends or Ctrl-C (which stops them all and returns). EMIT is called under one lock, so lines
     never interleave. Returns the problems per host (unreachable, no container, stream failed)."""
-    with Shells(dep) as shells:
+    with Shells(dep.cluster) as shells:
         ids, problems = find_containers(dep, shells, names)
         stop = threading.Event()
         lock = threading.Lock()
@@ -210,7 +198,7 @@ def down_preview(dep: "Deployment") -> list[tuple[str, list[str]]]:
 def down_host(dep: "Deployment", host: str, log: "HostLog") -> "HostResult | str":
     """Stop and remove the deployment's containers on HOST and verify none is left (listing again).
     An unreachable host is a HostFailure; a host with nothing to remove is skipped."""
-    sh = HostShell(dep, dep.cluster.host(host), connect_timeout=DOWN_CONNECT_S)
+    sh = HostShell(dep.cluster, dep.cluster.host(host), connect_timeout=DOWN_CONNECT_S)
     try:
         gone = remove_all(sh, dep.name)
     except SSHError as e:

@@ -16,8 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import StageFailed
-from ..executors.ssh import RemoteExec, SSHError, SSHSession, command_line
-from .remote import ssh_target
+from ..executors.ssh import RemoteExec, SSHError, SSHSession, SSHTarget, command_line
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
@@ -64,7 +63,7 @@ class HeadLock:
     def acquire(self) -> None:
         head, path = self.head.name, self.path
         try:
-            self._session = ssh_target(self.dep, self.head).connect()
+            self._session = SSHTarget.for_host(self.head, self.dep.cluster).connect()
         except SSHError as e:
             raise StageFailed(f"cannot take the deployment lock {path} on the head {head}: {e}") from None
         inner = (f"printf '%s\\n' {shlex.quote(holder_text(self.command))} > {shlex.quote(path)}; "

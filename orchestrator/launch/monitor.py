@@ -26,7 +26,8 @@ from ..plan import Action
 from ..runrecord import HostLog, RunContext
 from . import api
 from .containers import Container, list_containers, logs_tail
-from .remote import Shells, parallel, run_shells
+from ..executors.shells import Shells, run_shells
+from ..outcomes import parallel
 from .results import failure, record
 
 STAGE = "health"
@@ -37,7 +38,7 @@ def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostR
     logs = {n: ctx.host_log(n, STAGE) for n in names}
     try:
         with api.http_client() as client:
-            return _Watch(dep, ctx, run_shells(dep, ctx.state), client, names, logs).run()
+            return _Watch(dep, ctx, run_shells(dep.cluster, ctx.state), client, names, logs).run()
     finally:
         for log in logs.values():
             log.close()

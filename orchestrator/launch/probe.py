@@ -13,7 +13,7 @@ from ..tables.geometry import rank_ranges
 from .commands import read_argv
 from .containers import Container, parse_list
 from .fabric import FACTS_SCRIPT
-from .remote import HostShell
+from ..executors.shells import HostShell
 
 if TYPE_CHECKING:
     from ..deployment import Deployment

@@ -7,7 +7,7 @@ from ..errors import InputError
 from ..executors.ssh import SSHError
 from ..outcomes import HostFailure, HostResult
 from ..runrecord import HostLog, RunContext
-from .remote import short_reason
+from ..executors.ssh import short_reason
 
 
 def failure(e: BaseException) -> HostFailure:

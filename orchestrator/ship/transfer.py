@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..executors.docker_cli import docker_argv
-from ..executors.ssh import SSHSilent, SSHTimeout
 from .layers import layers_to_send, present_chains
 
 if TYPE_CHECKING:
@@ -208,6 +207,9 @@ def agent_spec(head: HeadImage, head_host: "Host", sends: dict[str, list[int]], 
 def run_agent(s: "SSHSession", spec: dict[str, Any], on_event: Callable[[dict], None],
               cancel: threading.Event, t: Timeouts) -> dict[str, Any]:
     """Run the agent on the head; each JSON line goes to on_event; returns its final "done" record."""
+    # Imported here: planning imports this module (plan_sends) and must not load paramiko
+    # (tests/test_plan.py test_planning_is_pure). Not a cycle.
+    from ..executors.ssh import SSHSilent, SSHTimeout
     argv = ["python3", "-c", agent_program(), json.dumps(spec)]
     done: dict[str, Any] | None = None
 

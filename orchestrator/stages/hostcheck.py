@@ -11,10 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ..outcomes import parallel
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
@@ -45,10 +46,8 @@ def already_done(dep: "Deployment", probes: list[Probe], pyz: Path) -> dict[str,
             return p.host, None
         return p.host, (doc.get("reason") or "already done") if doc.get("up_to_date") is True else None
 
-    if not probes:
-        return {}
-    with ThreadPoolExecutor(max_workers=len(probes)) as pool:
-        return {h: why for h, why in pool.map(ask, probes) if why}
+    by_host = {p.host: p for p in probes}
+    return {h: why for h, why in parallel(by_host, lambda h: ask(by_host[h])[1]).ok.items() if why}
 
 
 def with_stdin_spec(argv: list[str] | tuple[str, ...], spec_path: str) -> tuple[str, ...]:
