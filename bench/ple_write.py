@@ -1,4 +1,4 @@
-"""Benchmark the PLE table writer (orchestrator/tables/ple_write.py) against a plain write.
+"""Benchmark the PLE table writer (orchestrator/hostside/ple_write.py) against a plain write.
 
     python3 bench/ple_write.py [--size-gb 2] [--shards 128] [--files 8] [--rounds 3] [--dir D] [--json]
 
@@ -45,9 +45,9 @@ sys.path.insert(0, str(ROOT))
 
 from orchestrator.recipe import load_recipe                      # noqa: E402
 from orchestrator.stages.write_ple import spec_for               # noqa: E402
-from orchestrator.tables import bulkcopy, bundle                 # noqa: E402
-from orchestrator.tables import ple_write as P                   # noqa: E402
-from orchestrator.tables.geometry import total_rows              # noqa: E402
+from orchestrator.hostside import bulkcopy, bundle                 # noqa: E402
+from orchestrator.hostside import ple_write as P                   # noqa: E402
+from orchestrator.hostside.geometry import total_rows              # noqa: E402
 from tests.synth import TensorPlan, ple_shard_rows, recipe_config, write_checkpoint             # noqa: E402
 
 RECIPE = "qwen38-flash-next-spark"

@@ -18,7 +18,7 @@ import yaml
 from . import schema, yamlfile
 from .errors import InputError
 from .paths import RECIPES_DIR
-from .tables.geometry import TableGeometry
+from .hostside.geometry import TableGeometry
 
 Placement = Literal["nvme", "memory", "pinned", "gpu"]
 
@@ -60,7 +60,7 @@ class PleSpec:
     shard_tensor: str = ("model.language_model.layers.{layer}.ple.ple_embedding."
                          "ngram_embedding.shard_{shard}.weight")
     shards: int = 128
-    # How SGLang lays the table out (tables/ple_layout.py); the checkpoint's config.json
+    # How SGLang lays the table out (hostside/ple_layout.py); the checkpoint's config.json
     # (text_config) has the same keys and write-ple refuses a recipe that disagrees with it.
     make_ngram_vocab_size_divisible_by: int = 128
     split_ngram_parts: int = 512          # upstream default; the 128-shard checkpoint says 128

@@ -25,7 +25,7 @@ from typing import Any
 
 from .errors import InputError
 from .hardware import KINDS, HardwareKind
-from .tables.geometry import rank_ranges, total_rows
+from .hostside.geometry import rank_ranges, total_rows
 
 GB = 1e9
 GIB = float(2 ** 30)

@@ -1,9 +1,9 @@
-"""Synthetic Engram checkpoints for the tests and bench/engram_stage.py.
+"""Synthetic Engram checkpoints for the tests and bench/stage_engram.py.
 
 A multi-file safetensors checkpoint (index + shards) with, per Engram layer, a weight tensor
 [rows, row_values] (F8_E4M3) and a scale tensor [rows, scale_values] (U8) in different files, plus
 unrelated tensors before and between them, so tensor data never starts at a file's data start.
-Rows come from an independent brute force of the prime scheme (not orchestrator.tables.geometry),
+Rows come from an independent brute force of the prime scheme (not orchestrator.hostside.geometry),
 and the writer returns where every tensor's bytes are (TensorInfo filled by the writer itself), so
 tests check staged bytes without using the code under test to find them.
 """
@@ -18,8 +18,8 @@ from typing import Callable
 
 from orchestrator.recipe import load_recipe
 from orchestrator.stages.stage_engram import engram_spec
-from orchestrator.tables import engram_stage as op
-from orchestrator.tables.safetensors import TensorInfo
+from orchestrator.hostside import engram_stage as op
+from orchestrator.hostside.safetensors import TensorInfo
 
 WEIGHT = "layers.{layer}.engram.embed.weight"
 SCALE = "layers.{layer}.engram.embed.scale"

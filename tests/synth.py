@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.recipe import Recipe
-from orchestrator.tables import geometry as G
-from orchestrator.tables.safetensors import DTYPE_BYTES
+from orchestrator.hostside import geometry as G
+from orchestrator.hostside.safetensors import DTYPE_BYTES
 
 BLOCK_ROWS = 4096
 
@@ -161,7 +161,7 @@ def qwen_checkpoint_and_table(folder: str | Path, sets=QWEN_SMALL_SETS) -> tuple
     file deployctl's write-ple op wrote from it into FOLDER/ple, with its manifest."""
     from orchestrator.recipe import load_recipe
     from orchestrator.stages.write_ple import spec_for
-    from orchestrator.tables import ple_write
+    from orchestrator.hostside import ple_write
     r = load_recipe("qwen38-flash-next-spark", sets).recipe
     ck = Path(folder) / "ck"
     write_checkpoint(ck, [t for t in recipe_tensors(r) if ".ple." in t.name], files=2, config=recipe_config(r))

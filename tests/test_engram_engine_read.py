@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.deployment import load_deployment
-from orchestrator.launch.render import ENGRAM_MOUNT, container_spec
+from orchestrator.launch.containerspec import ENGRAM_MOUNT, container_spec
 from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.recipe import load_recipe
-from orchestrator.tables import engram_stage as op
-from orchestrator.tables.geometry import TableGeometry, rank_ranges
+from orchestrator.hostside import engram_stage as op
+from orchestrator.hostside.geometry import TableGeometry, rank_ranges
 from tests.engram_synth import SCALE, WEIGHT, Synth, read_rows
 
 HERE = Path(__file__).resolve().parent
@@ -79,7 +79,7 @@ def read_all(s: Synth, folder: Path | None, tp: int, rank: int, model: Path | No
 
 def test_double_geometry_is_the_engines_and_deployctls():
     """The double computes each rank's rows from config.json the engine's way; deployctl's geometry
-    (tables/geometry.py) gives the same rows, for the real recipe and TP 1..8."""
+    (hostside/geometry.py) gives the same rows, for the real recipe and TP 1..8."""
     r = load_recipe("deepseek-v41-flash-tp4").recipe
     g = r.engram.geometry
     config = {"engram_layer_ids": list(g.layers), "engram_vocab_size": g.vocab_per_order[0],

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from orchestrator.cli import cli
 from orchestrator.errors import InputError, StageFailed
-from orchestrator.tables import engram_stage as op
+from orchestrator.hostside import engram_stage as op
 from tests.engram_synth import RECIPE, SCALE, WEIGHT, Synth
 
 MANIFEST, LOCAL = "engram-manifest.json", "engram-local.json"
@@ -80,7 +80,7 @@ def test_killed_run_then_rerun_completes(tmp_path):
     assert op.stage(s.spec(4, 0), s.ckpt, dest)["status"] == "ok"
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(s.spec(1, 0).to_json()))
-    argv = [sys.executable, "-m", "orchestrator.tables", "engram-stage", "--spec", str(spec_file),
+    argv = [sys.executable, "-m", "orchestrator.hostside", "engram-stage", "--spec", str(spec_file),
             "--checkpoint", str(s.ckpt), "--dest", str(dest), "--threads", "1"]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     t0 = time.monotonic()
@@ -203,7 +203,7 @@ def test_broken_checkpoint_named_exit_2(small, tmp_path, fault):
     # the host-side entry point says the same, as JSON naming the file
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(small.spec(4, 0).to_json()))
-    p = subprocess.run([sys.executable, "-m", "orchestrator.tables", "engram-stage", "--spec", str(spec_file),
+    p = subprocess.run([sys.executable, "-m", "orchestrator.hostside", "engram-stage", "--spec", str(spec_file),
                         "--checkpoint", str(ckpt), "--dest", str(dest)], capture_output=True, text=True)
     assert p.returncode == 2
     res = json.loads(p.stdout.splitlines()[-1])

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from orchestrator.cli import cli
 from orchestrator.recipe import load_recipe
-from orchestrator.tables.geometry import TableGeometry, all_rank_ranges, layer_tables, rank_ranges
+from orchestrator.hostside.geometry import TableGeometry, all_rank_ranges, layer_tables, rank_ranges
 from tests.engram_synth import brute_primes
 
 SMALL = [

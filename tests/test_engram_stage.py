@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from orchestrator.cli import cli
 from orchestrator.recipe import load_recipe
 from orchestrator.stages.stage_engram import engram_spec
-from orchestrator.tables import bulkcopy, bundle
-from orchestrator.tables import engram_stage as op
-from orchestrator.tables.geometry import layer_tables
+from orchestrator.hostside import bulkcopy, bundle
+from orchestrator.hostside import engram_stage as op
+from orchestrator.hostside.geometry import layer_tables
 from tests.engram_synth import RECIPE, WEIGHT, Synth, make_checkpoint
 
 

@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from orchestrator.deployment import load_deployment
-from orchestrator.launch.render import engine_argv
-from orchestrator.tables.geometry import rank_ranges
+from orchestrator.launch.containerspec import engine_argv
+from orchestrator.hostside.geometry import rank_ranges
 from tests.cluster import ensure_base_images
 from tests.double_image import build as double_image_build
 

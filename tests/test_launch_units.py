@@ -20,7 +20,7 @@ from orchestrator.deployment import load_deployment
 from orchestrator.launch import api, probe
 from orchestrator.launch.containers import _parse_time, parse_list, run_argv
 from orchestrator.launch.lock import lock_path
-from orchestrator.launch.render import SPEC_LABEL, container_spec
+from orchestrator.launch.containerspec import SPEC_LABEL, container_spec
 from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.outcomes import HostFailure, run_per_host
 from orchestrator.plan import Action, Plan, StagePlan
@@ -238,7 +238,7 @@ def _launch(tmp_path, monkeypatch, kib: dict[str, int], *sets: str):
 
 
 def test_workers_start_first_in_descending_rank_then_the_head(tmp_path, monkeypatch):
-    from orchestrator.launch.render import start_sequence
+    from orchestrator.launch.containerspec import start_sequence
     dep = spark4()
     assert start_sequence(dep) == [("spark4",), ("spark3",), ("spark2",), ("spark1",)]
     head_first = load_deployment(INVENTORIES_DIR / "spark4.yml", None, ("engine.start_order=head-first",))

@@ -16,8 +16,8 @@ from orchestrator.deployment import load_deployment
 from orchestrator.stages import build_plan
 from orchestrator.recipe import load_recipe
 from orchestrator.stages.write_ple import spec_for
-from orchestrator.tables import ple_write as P
-from orchestrator.tables.geometry import total_rows
+from orchestrator.hostside import ple_write as P
+from orchestrator.hostside.geometry import total_rows
 from tests import synth
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The host-side PLE table writer (orchestrator/tables/ple_write.py), on synthetic checkpoints.
+"""The host-side PLE table writer (orchestrator/hostside/ple_write.py), on synthetic checkpoints.
 
 16 shards over 5 safetensors files, tiny vocabularies (97/101 per order: 2,124 rows, padded to 2,176),
 width 160; the shards are cut as an exporter that splits the real rows would cut them (133 rows each),
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import InputError
-from orchestrator.tables import bulkcopy, bundle
-from orchestrator.tables import ple_write as P
-from orchestrator.tables.geometry import TableGeometry, total_rows
+from orchestrator.hostside import bulkcopy, bundle
+from orchestrator.hostside import ple_write as P
+from orchestrator.hostside.geometry import TableGeometry, total_rows
 from tests.synth import TensorPlan, expected_row, write_checkpoint
 
 TENSOR = "model.language_model.layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{shard}.weight"

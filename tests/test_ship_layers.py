@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.ship import agent, relay
-from orchestrator.ship.layers import (END_OF_ARCHIVE, SaveFilter, chain_ids, identify_folder, layers_to_send,
+from orchestrator.hostside import ship_agent as agent, ship_relay as relay
+from orchestrator.hostside.image_layers import (END_OF_ARCHIVE, SaveFilter, chain_ids, identify_folder, layers_to_send,
                                       present_chains, v1_candidates)
 from orchestrator.ship.transfer import Timeouts, agent_program, explain, history_layer_sizes
 
 HERE = Path(__file__).resolve().parent
-RELAY = (HERE.parent / "orchestrator" / "ship" / "relay.py").read_text()
+RELAY = (HERE.parent / "orchestrator" / "hostside" / "ship_relay.py").read_text()
 
 # Recorded from `docker save` of a 4-layer image on Docker 20.10.24 (legacy builder); the top
 # layer's config has HTML-escaped and non-ASCII text on purpose.

@@ -12,14 +12,14 @@ import pytest
 
 from orchestrator.deployment import load_deployment
 from orchestrator.modelsync import rsync
-from orchestrator.modelsync.hostside import BOOTSTRAP
+from orchestrator.hostside.modelsync import BOOTSTRAP
 from orchestrator.modelsync.manifest import Manifest, Verdict
 from orchestrator.modelsync.progress import Progress
 from orchestrator.modelsync.shared import problems
 from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.stages import build_plan
 
-HOSTSIDE = Path(__file__).resolve().parents[1] / "orchestrator" / "modelsync" / "hostside.py"
+HOSTSIDE = Path(__file__).resolve().parents[1] / "orchestrator" / "hostside" / "modelsync.py"
 
 
 def hostside(op: str, *args: str, data: bytes = b"") -> tuple[int, dict, str]:

@@ -29,17 +29,18 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("cli", "cli", ("cli", "__main__")),
     ("runner", "runner", ("runner",)),
     ("stages", "stages", ("stages",)),
-    ("domain", "domain: launch, ship, modelsync, imagechain, tables, benchmark",
-     ("launch", "ship", "modelsync", "imagechain", "tables", "benchmark")),
+    ("domain", "domain: launch, ship, modelsync, imagechain, benchmark",
+     ("launch", "ship", "modelsync", "imagechain", "benchmark")),
     ("executors", "executors", ("executors",)),
+    ("hostside", "hostside: what runs on hosts (standard library only)", ("hostside",)),
     ("leaf", "leaf modules", ()),          # every other top-level module
 ]
 
 # Upward imports the architecture allows: recipe and sizing compute table sizes with the pure,
-# stdlib-only tables.geometry (docs/architecture.md, "Layers").
+# stdlib-only hostside.geometry (docs/architecture.md, "Layers").
 ALLOWED = {
-    ("orchestrator.recipe", "orchestrator.tables.geometry"),
-    ("orchestrator.sizing", "orchestrator.tables.geometry"),
+    ("orchestrator.recipe", "orchestrator.hostside.geometry"),
+    ("orchestrator.sizing", "orchestrator.hostside.geometry"),
 }
 
 

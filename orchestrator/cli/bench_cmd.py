@@ -104,7 +104,7 @@ def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, concurr
     if as_json:
         emit_json(to_json(rep))
     elif not quiet:
-        from ..benchmark.render import print_report
+        from ..benchmark.report_text import print_report
         print_report(rep)
     if fail_on_regression and not rep.ok:
         what = [f"C={g.concurrency} {g.metric} {g.ratio:.2f}x reference" for g in rep.regressions]

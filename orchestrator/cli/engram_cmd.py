@@ -9,7 +9,7 @@ import click
 from ..errors import DeployctlError, InputError
 from ..recipe import Recipe, load_recipe
 from ..stages.stage_engram import engram_spec
-from ..tables import engram_stage as op
+from ..hostside import engram_stage as op
 from .common import deployment_options, emit_json, handle_errors, inventory_option, recipe_options
 from .pipeline import run_stages
 
@@ -147,7 +147,7 @@ def vars_cmd(inventory, recipe, sets, pyz, bundle_dir):
     """Print the variables of playbooks/stage-engram.yml for an inventory (for ansible-playbook -e @FILE)."""
     from ..deployment import load_deployment
     from ..stages.stage_engram import host_job, playbook_vars
-    from ..tables import bundle
+    from ..hostside import bundle
     dep = load_deployment(inventory, recipe, tuple(sets))
     if dep.recipe.engram is None:
         raise InputError(f"recipe {dep.recipe.name} has no Engram tables", key="engram")

@@ -15,7 +15,7 @@ from ..runoptions import RunOptions
 from ..stages import build_plan
 from .common import STDERR, deployment_options, emit_json, handle_errors
 from .pipeline import run_host_command, run_stages
-from .render import print_plan
+from .plan_text import print_plan
 
 keep_option = click.option(
     "--keep-on-failure", is_flag=True,

@@ -12,7 +12,7 @@ import click
 from ..deployment import load_deployment
 from ..stages import build_plan
 from .common import STDERR, deployment_options, emit_json, handle_errors
-from .render import print_plan
+from .plan_text import print_plan
 
 
 @click.command("plan")

@@ -65,7 +65,7 @@ def write_command(checkpoint, dest, recipe, sets, verify, no_preallocate, as_jso
     Exit 0 written or kept, 1 failed (I/O, space, read-back), 2 bad input (missing shard,
     wrong width, row total different from the geometry's).
     """
-    from ..tables.ple_write import parse_spec, write_table
+    from ..hostside.ple_write import parse_spec, write_table
     spec = parse_spec(_spec(recipe, tuple(sets)), f"recipe {recipe or DEFAULT_RECIPE}")
     out = write_table(spec, checkpoint, dest, verify=verify, host=socket.gethostname(),
                       prealloc=not no_preallocate, quiet=as_json)
@@ -94,7 +94,7 @@ def vars_command(inventory, recipe, sets, as_json, verbose, quiet, pyz, verify):
     """Print the -e @vars.json for `ansible-playbook -i INV playbooks/write-ple.yml`."""
     from ..deployment import load_deployment
     from ..stages.write_ple import playbook_vars
-    from ..tables import bundle
+    from ..hostside import bundle
     dep = load_deployment(inventory, recipe, tuple(sets))
     if dep.recipe.ple is None:
         from ..errors import InputError

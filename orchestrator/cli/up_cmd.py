@@ -9,7 +9,7 @@ from ..stages import build_plan, select
 from .common import deployment_options, emit_json, handle_errors
 from .launch_cmd import keep_option
 from .pipeline import run_stages
-from .render import print_plan
+from .plan_text import print_plan
 
 
 READ_ONLY = {"preflight", "health"}

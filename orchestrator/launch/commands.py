@@ -6,7 +6,7 @@ shell only as "$1" "$2" ...
 from __future__ import annotations
 
 from ..executors.docker_cli import docker_sh
-from .render import LABEL
+from .containerspec import LABEL
 
 
 def _list_sh(docker_host: str) -> str:

@@ -36,9 +36,9 @@ from .lifecycle import remove_everywhere
 from ..executors.shells import Shells, run_shells
 from ..outcomes import parallel
 from .results import failure, record
-from .render import ContainerSpec, container_spec, expand_env, start_sequence
+from .containerspec import ContainerSpec, container_spec, expand_env, start_sequence
 
-STAGE = "launch"
+STAGE_NAME = "launch"
 
 
 def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostResult]:
@@ -46,7 +46,7 @@ def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostR
     # A ${VAR} the operator has not set is bad input: say so before any host is touched.
     expand_env(dep.recipe.engine.env, environ, str(dep.loaded.path))
     names = [a.host for a in actions]
-    logs = {n: ctx.host_log(n, STAGE) for n in names}
+    logs = {n: ctx.host_log(n, STAGE_NAME) for n in names}
     try:
         return _Launch(dep, ctx, run_shells(dep.cluster, ctx.state), names, logs, environ).run()
     finally:
@@ -65,7 +65,7 @@ class _Launch:
     # -- results -----------------------------------------------------------------------------
     def result(self, host: str, status: str, message: str, *, rc: int | None = None,
                tail: list[str] | None = None, data: dict[str, Any] | None = None) -> HostResult:
-        return record(self.ctx, self.logs[host], STAGE, host, status, message, rc=rc, tail=tail, data=data)
+        return record(self.ctx, self.logs[host], STAGE_NAME, host, status, message, rc=rc, tail=tail, data=data)
 
     def abort(self, failed: dict[str, BaseException], others: str,
               done: dict[str, str] | None = None) -> list[HostResult]:
@@ -85,7 +85,7 @@ class _Launch:
     def phase(self, what: str, names: list[str], fn: Callable[[str], Any]) -> tuple[dict[str, Any],
                                                                                     dict[str, BaseException]]:
         for n in names:
-            self.ctx.event("action-start", host=n, stage=STAGE, op=what)
+            self.ctx.event("action-start", host=n, stage=STAGE_NAME, op=what)
         res = parallel(names, fn)
         return res.ok, res.failed
 

@@ -30,12 +30,12 @@ from ..executors.shells import Shells, run_shells
 from ..outcomes import parallel
 from .results import failure, record
 
-STAGE = "health"
+STAGE_NAME = "health"
 
 
 def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostResult]:
     names = [a.host for a in actions]
-    logs = {n: ctx.host_log(n, STAGE) for n in names}
+    logs = {n: ctx.host_log(n, STAGE_NAME) for n in names}
     try:
         with api.http_client() as client:
             return _Watch(dep, ctx, run_shells(dep.cluster, ctx.state), client, names, logs).run()
@@ -54,7 +54,7 @@ class _Watch:
 
     def result(self, host: str, status: str, message: str, tail: list[str] | None = None,
                data: dict[str, Any] | None = None) -> HostResult:
-        return record(self.ctx, self.logs[host], STAGE, host, status, message, tail=tail or [], data=data)
+        return record(self.ctx, self.logs[host], STAGE_NAME, host, status, message, tail=tail or [], data=data)
 
     # -- one round over the containers -----------------------------------------------------------
     def containers(self) -> dict[str, str]:

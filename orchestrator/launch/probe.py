@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..outcomes import HostFailure
-from ..tables.geometry import rank_ranges
+from ..hostside.geometry import rank_ranges
 from .commands import read_argv
 from .containers import Container, parse_list
 from .fabric import FACTS_SCRIPT
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 # argv[1] = Engram folder or "", argv[2] = PLE folder or "". Prints one JSON object. The Engram
 # manifest and engram-local.json (small) come back as text, for engram_stage.check_rank; the
-# file names are the staging stages' (tables/engram_stage.py, tables/ple_write.py).
+# file names are the staging stages' (hostside/engram_stage.py, hostside/ple_write.py).
 STAGED_SCRIPT = r"""
 import glob, json, os, sys
 eng, ple = sys.argv[1], sys.argv[2]
@@ -39,7 +39,7 @@ if ple:
     out["ple"] = {"dir": ple,
                   "tables": [[os.path.basename(p), os.path.getsize(p)]
                              for p in sorted(glob.glob(os.path.join(ple, "ple_table_*.bin")))],
-                  # every table has its own manifest beside it (tables/ple_write.py MANIFEST_SUFFIX)
+                  # every table has its own manifest beside it (hostside/ple_write.py MANIFEST_SUFFIX)
                   "manifest": all(os.path.exists(p + ".deployctl-manifest.json")
                                   for p in glob.glob(os.path.join(ple, "ple_table_*.bin")))}
 print(json.dumps(out))
@@ -114,7 +114,7 @@ def expected_engram(dep: "Deployment", rank: int) -> dict[str, list[int]]:
 def engram_problem(dep: "Deployment", host: "Host", staged_doc: dict[str, Any]) -> str | None:
     """Why HOST must not be launched with its staged Engram rows (None: they are its rank's rows).
     engram_stage.check_rank decides, reading the two files the host sent back (staged_doc)."""
-    from ..tables.engram_stage import LOCAL_NAME, RankMismatch, check_rank
+    from ..hostside.engram_stage import LOCAL_NAME, RankMismatch, check_rank
     r = dep.recipe
     if not (r.engram and r.engram.placement == "nvme"):
         return None

@@ -2,7 +2,7 @@
 
   settings.py  options, timeouts, cache paths          manifest.py  Manifest, Verdict (pure)
   rsync.py     the head's rsync argv, output parsing   progress.py  bytes / rate / ETA per worker
-  remote.py    running things over SSH                 hostside.py  the stdlib script run on hosts
+  remote.py    running things over SSH                 (the stdlib script run on hosts: hostside/modelsync.py)
   push.py      model.source: head (default)            shared.py    model.source: shared
 
 "Exact" means: every file of the head's checkpoint folder (links followed) is on the worker with

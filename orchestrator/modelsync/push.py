@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..plan import Action
     from ..runrecord import HostLog, RunContext
 
-STAGE = "sync-model"
+STAGE_NAME = "sync-model"
 
 
 def ssh_options(dep: "Deployment", worker: "Host", st: Settings) -> SshOptions:
@@ -93,7 +93,7 @@ def push_one(dep: "Deployment", action: "Action", m: Manifest, st: Settings, ctx
     v = verify(dep, w, m, st, log)
     if v.complete:
         why = f"already exact: {m.describe()} match the head's sha256, nothing sent"
-        return HostResult(w.name, STAGE, "skipped", why + extras_note(v),
+        return HostResult(w.name, STAGE_NAME, "skipped", why + extras_note(v),
                           data=report(m, v, files_sent=0, bytes_sent=0, skipped_reason=why,
                                       duration_s=round(time.monotonic() - t0, 3)))
     if not v.rsync:
@@ -130,7 +130,7 @@ def push_one(dep: "Deployment", action: "Action", m: Manifest, st: Settings, ctx
     dur = time.monotonic() - t0
     msg = (f"sent {stats.get('files_sent', len(files))} file(s), {gb(stats.get('bytes_sent', need))} "
            f"in {copy_s:.1f}s ({rate / 1e6:.0f} MB/s); now exact: {m.describe()}")
-    return HostResult(w.name, STAGE, "ok", msg + extras_note(after),
+    return HostResult(w.name, STAGE_NAME, "ok", msg + extras_note(after),
                       data=report(m, v, to_send=files[:50], bytes_to_send=need, **stats,
                                   copy_s=round(copy_s, 3), duration_s=round(dur, 3)))
 
@@ -143,7 +143,7 @@ def head_first(dep: "Deployment", actions: "list[Action]", ctx: "RunContext", he
     results = run_per_host([a for a in actions if a.host == head], ctx, head_fn)
     workers = [a for a in actions if a.host != head]
     if any(r.status == "failed" for r in results):
-        return results + [HostResult(a.host, STAGE, "failed", f"{undone}: the head {head} failed (see its result)")
+        return results + [HostResult(a.host, STAGE_NAME, "failed", f"{undone}: the head {head} failed (see its result)")
                           for a in workers]
     return results + run_per_host(workers, ctx, worker_fn)
 
@@ -168,7 +168,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
         cached = m.hashed_bytes == 0
         msg = (f"manifest of {m.describe()} (digest {m.digest}), "
                + ("all hashes from cache" if cached else f"hashed {gb(m.hashed_bytes)} in {m.seconds:.1f}s"))
-        return HostResult(head.name, STAGE, "skipped" if cached else "ok", msg,
+        return HostResult(head.name, STAGE_NAME, "skipped" if cached else "ok", msg,
                           data={"files_total": len(m.files), "bytes_total": m.total_bytes,
                                 "manifest_digest": m.digest, "hashed_bytes": m.hashed_bytes,
                                 "checkpoint_dir": m.root, "duration_s": m.seconds,

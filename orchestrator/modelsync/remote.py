@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..outcomes import HostFailure
-from .hostside import BOOTSTRAP
+from ..hostside.modelsync import BOOTSTRAP
 
 if TYPE_CHECKING:
     from ..executors.ssh import Result, SSHSession
     from ..inventory import Cluster, Host
 
-HOSTSIDE = Path(__file__).with_name("hostside.py")
+HOSTSIDE = Path(__file__).resolve().parent.parent / "hostside" / "modelsync.py"
 KEEP_TAIL = 256 * 1024          # bytes of a streamed command's output kept for stats and errors
 
 

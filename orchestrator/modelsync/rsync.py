@@ -33,7 +33,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from .hostside import PARTIAL_DIR    # one name for the host script and the argv
+from ..hostside.modelsync import PARTIAL_DIR    # one name for the host script and the argv
 
 
 @dataclass(frozen=True)

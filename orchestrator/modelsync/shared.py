@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from ..outcomes import HostFailure, HostResult
 from . import remote
 from .manifest import Manifest, Verdict
-from .push import STAGE, head_first, head_manifest, verify
+from .push import STAGE_NAME, head_first, head_manifest, verify
 from .settings import Settings
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
             if p:
                 raise HostFailure(p)
         got["m"], got["mount"] = m, mount
-        return HostResult(head.name, STAGE, "ok",
+        return HostResult(head.name, STAGE_NAME, "ok",
                           f"shared checkpoint {m.describe()} (digest {m.digest}) on {mount_text(mount)}",
                           data={"files_total": len(m.files), "bytes_total": m.total_bytes,
                                 "manifest_digest": m.digest, "mount": mount, "checkpoint_dir": m.root})
@@ -100,7 +100,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
         why = f"shared storage verified: same files as the head's ({m.describe()}), on {mount_text(v.mount)}"
         if not data["same_mount_as_head"]:
             why += f" (the head has {mount_text(got['mount'])})"
-        return HostResult(h.name, STAGE, "skipped", why, data={**data, "skipped_reason": why})
+        return HostResult(h.name, STAGE_NAME, "skipped", why, data={**data, "skipped_reason": why})
 
     try:
         return head_first(dep, actions, ctx, head_fn, worker_fn, "not verified")

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..executors.docker_cli import docker_argv
-from .layers import layers_to_send, present_chains
+from ..hostside.image_layers import layers_to_send, present_chains
 
 if TYPE_CHECKING:
     from ..executors.ssh import SSHSession
     from ..inventory import Cluster, Host
 
-HERE = Path(__file__).resolve().parent
+HOSTSIDE = Path(__file__).resolve().parent.parent / "hostside"   # the programs sent to the head and the workers
 INSPECT_TIMEOUT = 60.0
 CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com",
            "aes128-ctr", "aes192-ctr", "aes256-ctr")
@@ -166,8 +166,8 @@ def tag_and_verify(s: "SSHSession", docker_host: str, head: HeadImage) -> None:
 
 def agent_program() -> str:
     """agent.py with layers.py before it: one standard-library program for `python3 -c`."""
-    layers = (HERE / "layers.py").read_text()
-    agent = (HERE / "agent.py").read_text().replace("from __future__ import annotations\n", "")
+    layers = (HOSTSIDE / "image_layers.py").read_text()
+    agent = (HOSTSIDE / "ship_agent.py").read_text().replace("from __future__ import annotations\n", "")
     return layers + "\n\n# ---- agent.py ----\n" + agent
 
 
@@ -189,7 +189,7 @@ def worker_ssh_argv(worker: "Host", cluster: "Cluster", key_file: str | None, kn
     else:
         argv += ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"]
     # the relay on the worker stops docker load when the head goes quiet (see relay.py)
-    remote = ["python3", "-c", (HERE / "relay.py").read_text(), f"{t.stall_s:g}",
+    remote = ["python3", "-c", (HOSTSIDE / "ship_relay.py").read_text(), f"{t.stall_s:g}",
               *docker_argv(worker, "load")]
     return argv + [f"{worker.user}@{worker.address}", shlex.join(remote)]
 

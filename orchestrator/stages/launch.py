@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..executors.docker_cli import docker_argv
-from ..launch.render import container_spec
+from ..launch.containerspec import container_spec
 from ..plan import Action
 from .base import Stage
 

@@ -201,7 +201,7 @@ def mem_available_gb(meminfo: str) -> float:
 def check_ram(host: str, meminfo: str, need_gb: float, pinned_table: dict[str, Any] | None = None,
               min_gib: float = 0.0, engine_running: bool = False) -> Check:
     """MemAvailable against the sizing model's host-RAM need; a pinned PLE table is judged by the
-    PLE writer's own rule (tables/ple_write.py: pinned_ram_verdict), so both stages agree. MIN_GIB:
+    PLE writer's own rule (hostside/ple_write.py: pinned_ram_verdict), so both stages agree. MIN_GIB:
     the launch memory gate (launch/memgate.py memgate_verdict), unless the deployment's engine
     runs there (ENGINE_RUNNING: launch stops it and drops the page cache before judging)."""
     from ..sizing import host_ram_problem
@@ -216,7 +216,7 @@ def check_ram(host: str, meminfo: str, need_gb: float, pinned_table: dict[str, A
         else:
             gate = f"; {msg} (memory gate)"
     if pinned_table is not None:
-        from ..tables.ple_write import pinned_ram_verdict
+        from ..hostside.ple_write import pinned_ram_verdict
         ok, msg = pinned_ram_verdict(int(avail * 1e9), pinned_table, host)
         if not ok:
             return Check("ram", "failed", f"{msg} (short by {need_gb - avail:.1f} GB)" if need_gb > avail else msg)

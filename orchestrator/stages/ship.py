@@ -1,7 +1,7 @@
 """ship: move the image from the head's engine to every worker's, sending only the layers each lacks.
 
 Path of the bytes: head -> worker. The controller SSHes to the head and runs the ship agent there
-(orchestrator/ship/agent.py): one `docker save <image id>` whose stream is parsed once and fanned out
+(orchestrator/hostside/ship_agent.py): one `docker save <image id>` whose stream is parsed once and fanned out
 to all workers in parallel, each over the head's own `ssh worker docker load`, each reduced to the
 layer folders that worker lacks. The controller probes the workers, reads progress, verifies.
 The head's SSH to the workers uses the inventory's key and known_hosts paths, which must exist on

@@ -23,8 +23,8 @@ from ..outcomes import HostResult, Status
 from ..paths import PLAYBOOKS_DIR
 from ..plan import Action
 from ..recipe import Recipe, digest_of
-from ..tables.engram_stage import Spec, local_ranges
-from ..tables.engram_stage import staged_bytes as _staged_bytes
+from ..hostside.engram_stage import Spec, local_ranges
+from ..hostside.engram_stage import staged_bytes as _staged_bytes
 from .base import Stage
 from .tableop import TableJob, make_job, run_jobs, table_vars
 

@@ -7,7 +7,7 @@ The logic lives in orchestrator/modelsync/ (push.py, shared.py; hostside.py runs
 from __future__ import annotations
 
 from ..modelsync import push, shared
-from ..modelsync.hostside import BOOTSTRAP
+from ..hostside.modelsync import BOOTSTRAP
 from ..modelsync.push import ssh_options
 from ..modelsync.rsync import rsync_argv
 from ..modelsync.settings import Settings, cache_file, revision_note
@@ -19,7 +19,7 @@ NAME = "sync-model"
 
 
 def _hostside(host, op: str, args: list[str]) -> tuple[str, ...]:
-    # The script (orchestrator/modelsync/hostside.py) is sent on stdin; nothing is installed.
+    # The script (orchestrator/hostside/modelsync.py) is sent on stdin; nothing is installed.
     return ("ssh", f"{host.user}@{host.address}", "python3", "-c", BOOTSTRAP, "<len(hostside.py)>", op, *args)
 
 

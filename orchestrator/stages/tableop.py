@@ -1,6 +1,6 @@
 """Host-side table operations through Ansible: what stage-engram and write-ple share.
 
-Both stages run one op of the stdlib-only tables zipapp (orchestrator/tables/bundle.py) on every
+Both stages run one op of the stdlib-only tables zipapp (orchestrator/hostside/bundle.py) on every
 host, under coreutils `timeout` there:
 
     timeout -k 30 <s> python3 <nvme_dir>/.deployctl/deployctl-tables.pyz OP --spec <spec file> ...
@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..outcomes import HostResult, HostResults, Status
-from ..tables import bundle
+from ..hostside import bundle
 from .hostcheck import Probe, already_done, with_stdin_spec
 
 if TYPE_CHECKING:

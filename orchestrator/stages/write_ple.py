@@ -6,7 +6,7 @@ into <nvme_dir>/.deployctl/ and run
 
     python3 deployctl-tables.pyz ple-write --spec ple-spec.json --host H --checkpoint CK --dest NVME/ple
 
-(orchestrator/tables/ple_write.py) under the host's `timeout`. A table file that is still valid (same checkpoint identity and
+(orchestrator/hostside/ple_write.py) under the host's `timeout`. A table file that is still valid (same checkpoint identity and
 geometry, per the manifest, nothing read) is kept: the host's result is "skipped" with the reason
 (asked over SSH first; `--verify` always runs the op, which then re-hashes the kept file).
 Placement `pinned` (RTX PRO 6000) writes no file: the same op only checks the host's MemAvailable
@@ -21,7 +21,7 @@ from ..outcomes import Status
 from ..paths import PLAYBOOKS_DIR
 from ..plan import Action
 from ..recipe import Recipe, digest_of
-from ..tables.ple_write import SPEC_FORMAT, parse_spec
+from ..hostside.ple_write import SPEC_FORMAT, parse_spec
 from .base import Stage
 from .tableop import TableJob, make_job, run_jobs, table_vars
 
@@ -33,7 +33,7 @@ SPEC_NAME = "ple-spec.json"
 
 
 def spec_for(recipe: Recipe) -> dict[str, Any]:
-    """The plain JSON spec the host-side op reads (format: orchestrator/tables/ple_write.py)."""
+    """The plain JSON spec the host-side op reads (format: orchestrator/hostside/ple_write.py)."""
     p = recipe.ple
     if p is None:
         raise ValueError(f"recipe {recipe.name} has no ple section")

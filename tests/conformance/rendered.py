@@ -4,7 +4,7 @@ seconds, paid once)."""
 from __future__ import annotations
 
 from orchestrator.deployment import load_deployment
-from orchestrator.launch.render import engine_argv
+from orchestrator.launch.containerspec import engine_argv
 from orchestrator.paths import INVENTORIES_DIR, RECIPES_DIR
 from orchestrator.recipe import load_recipe
 from tests.conformance.engines import run_probe, versions

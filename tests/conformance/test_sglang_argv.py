@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.launch.render import PLE_MOUNT
+from orchestrator.launch.containerspec import PLE_MOUNT
 from orchestrator.deployment import load_deployment
 from orchestrator.paths import INVENTORIES_DIR
 from tests.conformance.engines import versions
@@ -23,7 +23,7 @@ SGLANG_RECIPES = {
     "qwen38-flash-next-spark": "spark1.yml",
     "qwen38-flash-next-rtx": "rtx1.yml",
 }
-# ple.placement -> --ple-offload-backend (orchestrator/launch/render.py)
+# ple.placement -> --ple-offload-backend (orchestrator/launch/containerspec.py)
 BACKEND = {"nvme": "file", "pinned": "pinned"}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.tables import ple_write
+from orchestrator.hostside import ple_write
 from tests import synth
 from tests.conformance.engines import run_probe
 

@@ -1,7 +1,7 @@
 """deployctl's PLE table files against the released SGLang's Qwen4-Exp code (probes/sglang_ple_table.py).
 
 (i)  Layout: for each SGLang recipe (and TP 2, beyond the recipes' TP 1), the file deployctl's
-     write-ple names and sizes for each rank (orchestrator/tables/ple_write.py via ple_layout.py)
+     write-ple names and sizes for each rank (orchestrator/hostside/ple_write.py via ple_layout.py)
      is the one the released Qwen4ExpNGramEmbedding / VocabParallelEmbedding / ple_table_file_name
      build: name, shape, dtype, rank rows, and the stride at which load_weights places shard i.
 (ii) End to end on a small synthetic checkpoint: deployctl writes the table, then the released
@@ -17,8 +17,8 @@ import pytest
 
 from orchestrator.recipe import load_recipe
 from orchestrator.stages.write_ple import spec_for
-from orchestrator.tables import ple_write as P
-from orchestrator.tables.geometry import TableGeometry, total_rows
+from orchestrator.hostside import ple_write as P
+from orchestrator.hostside.geometry import TableGeometry, total_rows
 from tests.conformance.engines import run_probe, versions
 from tests.synth import TensorPlan, expected_row, write_checkpoint
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from orchestrator.tables import geometry as G
+from orchestrator.hostside import geometry as G
 from orchestrator.deployment import load_deployment
 from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.recipe import load_recipe

@@ -2,7 +2,7 @@
 
 Standard library only: the SGLang patch (qwen4_exp_prewritten.py) and deployctl's engine double both
 call `verdict`. The manifest is what deployctl's write-ple op writes last, after the read-back check
-(orchestrator/tables/ple_write.py): `<table>.deployctl-manifest.json` with the table's name, size,
+(orchestrator/hostside/ple_write.py): `<table>.deployctl-manifest.json` with the table's name, size,
 inode and mtime, and the identity (name, size, mtime, sha256 of the safetensors header) of every
 checkpoint file the rows came from. Any difference, or no manifest, means "let the engine write it".
 """

@@ -28,8 +28,8 @@ import sys
 import threading
 import time
 
-try:                                   # in the repository; shipped, layers.py is prepended to this source
-    from .layers import READ_CHUNK, SaveFilter, TarError
+try:                                   # in the repository; shipped, image_layers.py is prepended to this source
+    from .image_layers import READ_CHUNK, SaveFilter, TarError
 except ImportError:
     pass
 

@@ -1,4 +1,4 @@
-"""Host-side table operations: `python3 -m orchestrator.tables OP ARGS...`.
+"""Host-side table operations: `python3 -m orchestrator.hostside OP ARGS...`.
 
 This is what runs on a node (from the shipped zipapp, see bundle.py), with only the
 standard library. Each operation is a `main(argv) -> exit code` in its own module;
@@ -10,14 +10,14 @@ import importlib
 import sys
 
 OPS = {
-    "engram-stage": "orchestrator.tables.engram_stage",
-    "ple-write": "orchestrator.tables.ple_write",
+    "engram-stage": "orchestrator.hostside.engram_stage",
+    "ple-write": "orchestrator.hostside.ple_write",
 }
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in OPS:
-        print(f"usage: python3 -m orchestrator.tables {{{','.join(OPS)}}} ...", file=sys.stderr)
+        print(f"usage: python3 -m orchestrator.hostside {{{','.join(OPS)}}} ...", file=sys.stderr)
         return 2
     module = importlib.import_module(OPS[argv[0]])
     return module.main(argv[1:])

@@ -1,6 +1,6 @@
 """Benchmark engram-stage against a plain copy of the same bytes, on this machine's disk.
 
-    python3 bench/engram_stage.py [--gb 2] [--dir DIR] [--staging copy|auto] [--rounds 2]
+    python3 bench/stage_engram.py [--gb 2] [--dir DIR] [--staging copy|auto] [--rounds 2]
                                   [--threads N] [--keep] [--json]
 
 Writes a synthetic checkpoint (DeepSeek row shape: 256 B FP8 + 8 B scale per row, 2 Engram layers of
@@ -9,7 +9,7 @@ a temporary folder under --dir (default: the system temp folder; keep it on the 
 then alternates, --rounds times:
 
   baseline   os.copy_file_range of every Engram tensor into a new file, sequentially, then fsync
-  staging    `python3 -m orchestrator.tables engram-stage` for rank 0 of 1 (all rows: the same bytes),
+  staging    `python3 -m orchestrator.hostside engram-stage` for rank 0 of 1 (all rows: the same bytes),
              in a child process: copy, per-chunk sha256, fsync, fidelity check, manifest
 
 Before every run: sync, then posix_fadvise(DONTNEED) over every source file and the destination
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from orchestrator.recipe import load_recipe  # noqa: E402
 from orchestrator.stages.stage_engram import engram_spec  # noqa: E402
-from orchestrator.tables.geometry import layer_tables  # noqa: E402
+from orchestrator.hostside.geometry import layer_tables  # noqa: E402
 from tests.engram_synth import make_checkpoint  # noqa: E402
 
 ROW = 256 + 8
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         spec.write_text(json.dumps(engram_spec(recipe, 0, 1).to_json()))
         sources = sorted({t.file for t in engram})
         dest = work / "dest"
-        op = [sys.executable, "-m", "orchestrator.tables", "engram-stage", "--spec", str(spec),
+        op = [sys.executable, "-m", "orchestrator.hostside", "engram-stage", "--spec", str(spec),
               "--checkpoint", str(work / "ckpt"), "--dest", str(dest)]
         if a.threads:
             op += ["--threads", str(a.threads)]

@@ -16,13 +16,13 @@ from ..fsutil import atomic_write_bytes
 
 PKG = Path(__file__).resolve().parent.parent          # orchestrator/
 MODULES = ("__init__.py", "errors.py", "fsutil.py")
-MAIN = "import sys\nfrom orchestrator.tables.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
+MAIN = "import sys\nfrom orchestrator.hostside.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
 def _members() -> list[tuple[str, bytes]]:
     files = [(f"orchestrator/{m}", (PKG / m).read_bytes()) for m in MODULES]
-    for p in sorted((PKG / "tables").glob("*.py")):
-        files.append((f"orchestrator/tables/{p.name}", p.read_bytes()))
+    for p in sorted((PKG / "hostside").glob("*.py")):
+        files.append((f"orchestrator/hostside/{p.name}", p.read_bytes()))
     files.append(("__main__.py", MAIN.encode()))
     return files
 

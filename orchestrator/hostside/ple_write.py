@@ -5,7 +5,7 @@
 
 Runs on the host (standard library only). For each TP rank the spec lists, the file the released
 SGLang maps from `--ple-offload-dir` (name, shape, rank shard and the row every checkpoint shard
-lands on: tables/ple_layout.py, which cites the upstream functions) is written from the shard tensors
+lands on: hostside/ple_layout.py, which cites the upstream functions) is written from the shard tensors
 (`shard_tensor` with {layer}, {shard} = 0..shards-1); rows no shard covers stay zero (holes). Beside
 each table its manifest `<table>.deployctl-manifest.json` is written last:
 

@@ -521,10 +521,10 @@ def space_report(spec: Spec, sources: Sources, dest: Path, files: list[OutFile],
     return {"path": str(dest), "need_bytes": need, "margin_bytes": margin, "free_bytes": free,
             "reclaimable_bytes": recl, "ok": current or need + margin <= free + recl,
             "apparent_bytes": sum(f.size for f in files),
-            "need_gb": gb(need), "free_gb": gb(free + recl), "margin_gb": spec.free_margin_gb}
+            "need_gb": in_gb(need), "free_gb": in_gb(free + recl), "margin_gb": spec.free_margin_gb}
 
 
-def gb(n: int) -> float:
+def in_gb(n: int) -> float:
     """Bytes as decimal GB, 4 significant digits (50.69, 0.006543): small test disks stay readable."""
     return float(f"{n / 1e9:.4g}")
 
@@ -881,8 +881,8 @@ def _write_files(spec: Spec, sources: Sources, dest: Path, files: list[OutFile],
         _discard(dest, fds)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StageFailed(f"no space left on {dest} while writing the Engram rows "
-                              f"({gb(sum(f.allocated_bytes() for f in files))} GB needed, "
-                              f"{gb(free_bytes(dest))} GB free after removing the partial files); "
+                              f"({in_gb(sum(f.allocated_bytes() for f in files))} GB needed, "
+                              f"{in_gb(free_bytes(dest))} GB free after removing the partial files); "
                               "nothing was staged") from None
         raise StageFailed(f"writing {dest}: {e}") from None
     except BaseException:

@@ -1,1 +1,0 @@
-"""Hashed n-gram tables (DeepSeek Engram, Qwen PLE): geometry, checkpoint reading, staging."""
