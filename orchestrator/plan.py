@@ -2,8 +2,10 @@
 Plans are built by the stage registry (`orchestrator.stages.build_plan`); each StagePlan carries
 the Stage that applies it.
 
-Each action describes itself (the exact command or API call) for `plan` and
-`--dry-run`, and carries a digest of its inputs so a re-run can skip what is done.
+Each action describes itself (the exact command or API call) for `plan` and `--dry-run`, and
+carries the typed job its stage's `apply` executes (a table job, a container spec, ...): what the
+plan shows is what runs. Re-runs skip what is done by asking the hosts (manifests, spec labels), not by
+comparing plan digests.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class Action:
     command: tuple[str, ...] = ()         # the argv it runs, where it runs one
     api: str = ""                         # or the API call it makes
     details: dict[str, Any] = field(default_factory=dict)
-    digest: str = ""                      # of the inputs: same digest + done marker = skip
+    job: Any = field(default=None, compare=False, repr=False)   # what apply executes (the stage's type)
 
     def to_json(self) -> dict[str, Any]:
         d = {"stage": self.stage, "host": self.host, "op": self.op, "summary": self.summary}
@@ -43,8 +45,6 @@ class Action:
             d["api"] = self.api
         if self.details:
             d["details"] = schema.to_dict(self.details)
-        if self.digest:
-            d["digest"] = self.digest
         return d
 
 

@@ -36,4 +36,4 @@ def ok(host: str, doc: dict[str, Any]) -> PlaybookHostResult:
 def with_op(action: Action, op: tuple[str, ...]) -> Action:
     """The action carrying another op (as if planned differently): apply must run this one."""
     job = replace(TableJob.of(action), op=op)
-    return replace(action, command=job.argv, details={**action.details, "job": job.to_json()})
+    return replace(action, command=job.argv, details={**action.details, "job": job.to_json()}, job=job)

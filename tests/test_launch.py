@@ -185,12 +185,19 @@ def test_tp4_up_healthy_then_noop_status_logs_down(cluster, tp4):
     run_dir = Path(re.search(r"run record (\S+)", text).group(1))
     assert TOKEN not in "".join(f.read_text(errors="replace") for f in run_dir.rglob("*") if f.is_file())
 
+    # The plan is what runs: each container is the run's planned spec (plan.json), bound to the fabric.
+    plan_doc = json.loads((run_dir / "plan.json").read_text())
+    planned = {a["host"]: a["details"]["container"] for st in plan_doc["stages"] if st["name"] == "launch"
+               for a in st["actions"]}
+    assert sorted(planned) == sorted(h.name for h in cluster.hosts)
     for h in cluster.hosts:
         ids = containers(cluster, h.name, TP4_DEP)
         assert len(ids) == 1, (h.name, ids)
         doc = json.loads(_docker(h.docker_host, "inspect", ids[0]).stdout)[0]
         want = rendered_argv(tp4, h.name)
-        assert doc["Config"]["Cmd"] == want, h.name
+        assert doc["Config"]["Cmd"] == want == planned[h.name]["argv"], h.name
+        assert sorted(doc["HostConfig"]["Binds"]) == sorted(":".join(m) for m in planned[h.name]["mounts"])
+        assert doc["Config"]["Image"] == planned[h.name]["image"]
         assert doc["Config"]["Labels"]["deployctl.rank"] == str(h.rank)
         assert f"HF_TOKEN={TOKEN}" in doc["Config"]["Env"], "the ${VAR} was expanded at launch"
         rec = _docker(h.docker_host, "exec", ids[0], "cat", f"{RECORD}/argv-vllm-rank{h.rank}.json")

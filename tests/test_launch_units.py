@@ -20,7 +20,8 @@ from orchestrator.deployment import load_deployment
 from orchestrator.launch import api, probe
 from orchestrator.launch.containers import _parse_time, parse_list, run_argv
 from orchestrator.launch.lock import lock_path
-from orchestrator.launch.containerspec import SPEC_LABEL, container_spec
+from orchestrator.launch.containerspec import SPEC_LABEL, bind_fabric, container_spec
+from orchestrator.launch.fabric import Fabric
 from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.outcomes import HostFailure, run_per_host
 from orchestrator.plan import Action, Plan, StagePlan
@@ -55,7 +56,7 @@ def test_run_argv_passes_secrets_on_stdin_and_the_engine_with_h():
 def test_plan_shows_the_spec_label_and_health_watches_every_host():
     plan = build_plan(spark4(), ("launch", "health"))
     for a in plan.stage("launch").actions:
-        assert f"{SPEC_LABEL}={a.digest}" in a.command
+        assert f"{SPEC_LABEL}={a.job.digest}" in a.command
     health = plan.stage("health").actions
     assert [a.host for a in health] == ["spark1", "spark2", "spark3", "spark4"]
     assert "/v1/chat/completions" in health[0].api and "Count from 1 to 10." in health[0].api
@@ -230,7 +231,8 @@ def _launch(tmp_path, monkeypatch, kib: dict[str, int], *sets: str):
     monkeypatch.setattr(launcher, "start", lambda sh, spec, env: started.append((sh.host.name, time.monotonic()))
                         or f"{sh.host.name}-cid")
     logs = {n: ctx.host_log(n, "launch") for n in names}
-    out = launcher._Launch(dep, ctx, shells, names, logs, {}).run()
+    planned = {a.host: a.job for a in build_plan(dep, ("launch",)).stage("launch").actions}
+    out = launcher._Launch(dep, ctx, shells, planned, logs, {}).run()
     for log in logs.values():
         log.close()
     ctx.close()
@@ -289,3 +291,38 @@ def test_preflight_ram_check_holds_the_memory_gate():
     a = {x.host: x for x in pf.plan(spark4())[0]}["spark2"]
     assert a.details["min_mem_available_gib"] == 100
     assert a.details["commands"]["ram"][1][-2:] == ["--filter", "label=deployctl.deployment=spark4"]
+
+
+def test_launch_runs_the_planned_spec_bound_to_the_detected_fabric():
+    """What launch starts is the plan's ContainerSpec (the action's job) with only the fabric bound:
+    the head's fabric address as --master-addr, the host's NCCL/GLOO/UCX env, RDMA devices."""
+    dep = spark4()
+    (plan_launch,) = [s for s in build_plan(dep, ("launch",)).stages]
+    fab = Fabric("enp1s0f1np1", "10.10.0.2", ("mlx5_1",), "ConnectX-7 port up")
+    head_addr = "10.10.0.1"
+    for a in plan_launch.actions:
+        planned = a.job
+        assert list(a.command)[-len(planned.argv):] == list(planned.argv), "the plan shows the job's argv"
+        bound = bind_fabric(planned, fab, head_addr, dep.recipe.engine.nccl_roce_env)
+        assert bound == container_spec(dep, dep.cluster.host(a.host), fab, Fabric("x", head_addr, (), "head")), \
+            "binding the planned spec gives the full render"
+        diff = [(x, y) for x, y in zip(planned.argv, bound.argv) if x != y]
+        master = dict(zip(planned.argv, planned.argv[1:]))["--master-addr"]
+        assert diff == [(master, head_addr)], diff
+        assert (bound.mounts, bound.image, bound.shm_size, bound.options) == \
+            (planned.mounts, planned.image, planned.shm_size, planned.options)
+        assert {k: v for k, v in bound.env.items() if k in planned.env} == planned.env
+        assert bound.env["NCCL_SOCKET_IFNAME"] == "enp1s0f1np1" and bound.rdma_devices
+        assert bound.labels[SPEC_LABEL] == bound.digest != planned.digest
+
+
+def test_launch_apply_refuses_actions_without_their_planned_spec(tmp_path):
+    """apply executes the job the plan carries; an action without one is an internal error before any
+    host is touched (it never re-renders the container on its own)."""
+    from orchestrator.errors import DeployctlError
+    from orchestrator.launch import launcher
+    dep = spark4()
+    acts = [replace(a, job=None) for a in build_plan(dep, ("launch",)).stage("launch").actions]
+    ctx = RunContext(tmp_path / "run")
+    with pytest.raises(DeployctlError, match="carry no ContainerSpec"):
+        launcher.apply(dep, acts, ctx)

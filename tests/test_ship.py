@@ -72,10 +72,18 @@ def small(cluster, tmp_path_factory):
 
 def test_fresh_ship_reship_and_patch(cluster, small):
     head_id = small(b"p" * 10_000)
-    rc, doc, err, _ = ship(cluster, SMALL)
+    rc, doc, err, _ = ship(cluster, SMALL, "--stall-timeout", "45")
     assert rc == 0, err
     res = results(doc)
     assert sorted(res) == list(WORKERS)
+    # The plan is what ran: the head loaded each worker with its planned command (--stall-timeout in it).
+    run_dir = Path(doc["run_dir"])
+    planned = {a["host"]: a["command"][-1].rsplit(" | ", 1)[1]
+               for st in json.loads((run_dir / "plan.json").read_text())["stages"] for a in st["actions"]}
+    for w in WORKERS:
+        assert "<hostside/ship_relay.py> 45 docker -H" in planned[w], planned[w]
+        log = (run_dir / "logs" / w / "ship.log").read_text()
+        assert f"the head loads it with the planned command: {planned[w]}" in log
     for w in WORKERS:
         d = res[w]["data"]
         assert res[w]["status"] == "ok" and d["image_id"] == head_id, res[w]

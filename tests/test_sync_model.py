@@ -100,6 +100,19 @@ def test_first_sync_makes_every_worker_exact(cluster, synced):
         assert d["files_sent"] == SHARDS + 2 and d["bytes_sent"] == d["bytes_total"] > SHARDS * SHARD_BYTES
         assert d["duration_s"] > 0 and d["copy_s"] > 0
     assert_exact(cluster, synced["repo"], synced["rev"])
+    # The plan is what ran: each worker's rsync is its planned job's argv; only the whole-transfer
+    # timeout (planned for the recipe's full checkpoint) is bounded by the bytes actually sent.
+    run_dir = Path(doc["run_dir"])
+    plan = json.loads((run_dir / "plan.json").read_text())
+    planned = {a["host"]: a["command"] for st in plan["stages"] for a in st["actions"]}
+    for w in ("node2", "node3", "node4"):
+        ran = next(line.split(" on node1: ", 1)[1] for line in (run_dir / "logs" / w / "sync-model.log").read_text().splitlines()
+                   if " on node1: " in line)
+        want = planned[w][2:]                  # without `ssh root@<head>`
+        assert want[:3] == ["timeout", "-k", "10"] and "--files-from=-" in want
+        got = ran.split(" ")
+        assert got[:3] == want[:3] and got[4:10] == want[4:10] and ran.endswith(want[-1]), (ran, want)
+        assert int(got[3]) <= int(want[3])
     # the worker's hash cache is in its nvme_dir, never in the HF snapshots/ folder
     snaps = worker_snap(cluster.hosts[1], synced["repo"], synced["rev"]).parent
     assert [p.name for p in snaps.iterdir()] == [synced["rev"]]

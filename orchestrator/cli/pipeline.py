@@ -40,7 +40,7 @@ def run_stages(*, command: str, inventory: str | None, recipe: str | None, sets:
                lock: bool = False) -> None:
     """LOCK: hold the deployment's lock on the head for the whole run (a second run fails fast)."""
     dep = load_deployment(inventory, recipe, sets)
-    plan = build_plan(dep, only=only, skip=skip)
+    plan = build_plan(dep, only=only, skip=skip, options=options)
     with _head_lock(dep, command, lock):
         ctx = _context(dep, command, as_json, verbose, quiet, options)
         ctx.say(f"deployctl {command}: {dep.name} ({dep.recipe.name}), run record {ctx.run_dir}")

@@ -24,6 +24,7 @@ ENGRAM_MOUNT = "/engram"
 PLE_MOUNT = "/ple"
 LABEL = "deployctl.deployment"
 SPEC_LABEL = "deployctl.spec"            # the spec digest: same digest = same container (skip a relaunch)
+MASTER = "\x00master-addr\x00"          # stands for the head's address while rendering (bind_fabric fills it)
 
 # Flags deployctl renders from structured recipe fields; setting them in engine.args would
 # contradict those fields, so it is an error that names the field to change instead.
@@ -57,6 +58,7 @@ class ContainerSpec:
     fabric_note: str = ""
     options: dict[str, Any] = field(default_factory=dict)   # docker run resource options: memory, memory-swap
     start: dict[str, Any] = field(default_factory=dict)     # place in the start order (start_sequence); not in the digest
+    master_slots: tuple[tuple[int, str], ...] = ()          # (argv index, element with MASTER): bind_fabric re-fills them
 
     @property
     def digest(self) -> str:
@@ -149,26 +151,57 @@ def ple_env(ple: PleSpec | None) -> dict[str, str]:
 
 
 def engine_argv(dep: Deployment, host: Host, master_addr: str) -> tuple[str, ...]:
+    return _engine_argv(dep, host, master_addr)[0]
+
+
+def _engine_argv(dep: Deployment, host: Host, master_addr: str) -> tuple[tuple[str, ...], tuple[tuple[int, str], ...]]:
+    """The argv, and where in it the master address stands (so a detected fabric can re-fill it)."""
     r, e = dep.recipe, dep.recipe.engine
     ple = r.ple
     ctx = {
         "model": e.model or model_path(dep, host), "served_name": e.served_name, "port": dep.api_port,
         "tp": r.parallelism.tensor_parallel, "nnodes": r.parallelism.nodes, "rank": host.rank,
-        "master_addr": master_addr, "master_port": e.master_port, "args": _check_args(dep),
+        "master_addr": MASTER, "master_port": e.master_port, "args": _check_args(dep),
         "ple_backend": {"nvme": "file", "pinned": "pinned"}.get(ple.placement) if ple else None,
         "ple_dir": PLE_MOUNT if ple and ple.placement == "nvme" else None,
     }
     text = _env().get_template(f"{e.kind}.argv.j2").render(**ctx)
-    return tuple(line.strip() for line in text.splitlines() if line.strip())
+    raw = [line.strip() for line in text.splitlines() if line.strip()]
+    slots = tuple((i, a) for i, a in enumerate(raw) if MASTER in a)
+    return tuple(a.replace(MASTER, master_addr) for a in raw), slots
 
 
 def container_spec(dep: Deployment, host: Host, fabric: Fabric | None,
                    head_fabric: Fabric | None) -> ContainerSpec:
-    """The container for `host`. `fabric`/`head_fabric` are the detected fabrics (None in a plan:
-    the inventory's overrides or the management addresses stand in, and the note says so)."""
+    """The container for `host` with the detected fabrics bound (None: as planned)."""
+    return bind_fabric(planned_spec(dep, host), fabric, head_fabric.address if head_fabric else None,
+                       dep.recipe.engine.nccl_roce_env)
+
+
+def bind_fabric(spec: ContainerSpec, fabric: Fabric | None, master: str | None,
+                roce_env: dict[str, str] | None = None) -> ContainerSpec:
+    """The planned SPEC with what launch detects on the hosts: the host's fabric (its NCCL/GLOO/UCX
+    environment, RDMA devices) and the head's fabric address as the master address. Everything else
+    stays exactly as planned. Pure."""
+    argv = list(spec.argv)
+    if master:
+        for i, element in spec.master_slots:
+            argv[i] = element.replace(MASTER, master)
+    env, note = dict(spec.env), spec.fabric_note
+    if fabric is not None:
+        env.update(fabric_env(fabric, roce_env))
+        note = fabric.reason
+    bound = replace(spec, argv=tuple(argv), env=env, rdma_devices=bool(fabric and fabric.hcas), fabric_note=note)
+    # The digest covers everything but the labels, so it can be one of them.
+    return replace(bound, labels={**bound.labels, SPEC_LABEL: bound.digest})
+
+
+def planned_spec(dep: Deployment, host: Host) -> ContainerSpec:
+    """The container for `host` as the plan shows it: the inventory's fabric overrides or the
+    management addresses stand in for what launch detects (bind_fabric), and the note says so."""
     r, e, c = dep.recipe, dep.recipe.engine, dep.cluster
     head = c.head_host
-    master = (head_fabric.address if head_fabric else None) or head.fabric_address or head.address
+    master = head.fabric_address or head.address
     env: dict[str, str] = {}
     env.update(e.env)
     if r.engram and r.engram.placement == "nvme":
@@ -177,14 +210,9 @@ def container_spec(dep: Deployment, host: Host, fabric: Fabric | None,
             env[r.engram.local_dir_env] = ENGRAM_MOUNT
     env.update(ple_env(r.ple))
     note = ""
-    multi = r.parallelism.nodes > 1
-    if multi:
-        if fabric:
-            env.update(fabric_env(fabric, e.nccl_roce_env))
-            note = fabric.reason
-        else:
-            note = ("fabric detected at launch (ConnectX-7 netdev, RoCE devices); "
-                    + (f"override iface {host.fabric_iface}" if host.fabric_iface else "no override"))
+    if r.parallelism.nodes > 1:
+        note = ("fabric detected at launch (ConnectX-7 netdev, RoCE devices); "
+                + (f"override iface {host.fabric_iface}" if host.fabric_iface else "no override"))
     mounts = [(dep.checkpoint_mount(host)[0], MODEL_MOUNT, "ro")]
     if r.engram and r.engram.placement == "nvme":
         mounts.append((dep.engram_dir(host), ENGRAM_MOUNT, "ro"))
@@ -197,13 +225,13 @@ def container_spec(dep: Deployment, host: Host, fabric: Fabric | None,
     options = {k: v for k, v in (("memory", e.memory_limit), ("memory-swap", e.memory_swap)) if v}
     labels = {LABEL: dep.name, "deployctl.rank": str(host.rank), "deployctl.recipe": r.name,
               "deployctl.role": "head" if host.name == head.name else "worker"}
+    argv, slots = _engine_argv(dep, host, master)
     spec = ContainerSpec(
         host=host.name, rank=host.rank, name=e.container_name or f"deployctl-{dep.name}",
-        image=e.image, argv=engine_argv(dep, host, master), env=env, mounts=tuple(mounts),
+        image=e.image, argv=argv, env=env, mounts=tuple(mounts),
         labels=labels, shm_size=e.shm_size, gpus=host.gpus > 0 and host.expect_gpus,
-        rdma_devices=bool(fabric and fabric.hcas), fabric_note=note, options=options,
-        start=start_step(dep, host.name))
-    # The digest covers everything but the labels, so it can be one of them.
+        rdma_devices=False, fabric_note=note, options=options,
+        start=start_step(dep, host.name), master_slots=slots)
     return replace(spec, labels={**labels, SPEC_LABEL: spec.digest})
 
 

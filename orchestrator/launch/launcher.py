@@ -25,7 +25,7 @@ from typing import Any, Callable
 from rich.markup import escape
 
 from ..deployment import Deployment
-from ..errors import InputError
+from ..errors import DeployctlError, InputError
 from ..outcomes import HostFailure, HostResult
 from ..plan import Action
 from ..runrecord import HostLog, RunContext
@@ -36,7 +36,7 @@ from .lifecycle import remove_everywhere
 from ..executors.shells import Shells, run_shells
 from ..outcomes import parallel
 from .results import failure, record
-from .containerspec import ContainerSpec, container_spec, expand_env, start_sequence
+from .containerspec import ContainerSpec, bind_fabric, expand_env, start_sequence
 
 STAGE_NAME = "launch"
 
@@ -48,16 +48,22 @@ def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostR
     names = [a.host for a in actions]
     logs = {n: ctx.host_log(n, STAGE_NAME) for n in names}
     try:
-        return _Launch(dep, ctx, run_shells(dep.cluster, ctx.state), names, logs, environ).run()
+        planned = {a.host: a.job for a in actions}
+        missing = [n for n, j in planned.items() if not isinstance(j, ContainerSpec)]
+        if missing:
+            raise DeployctlError(f"internal error: the launch actions of {', '.join(missing)} carry no "
+                                 "ContainerSpec (build plans with orchestrator.stages.build_plan)")
+        return _Launch(dep, ctx, run_shells(dep.cluster, ctx.state), planned, logs, environ).run()
     finally:
         for log in logs.values():
             log.close()
 
 
 class _Launch:
-    def __init__(self, dep: Deployment, ctx: RunContext, shells: Shells, names: list[str],
+    def __init__(self, dep: Deployment, ctx: RunContext, shells: Shells, planned: dict[str, ContainerSpec],
                  logs: dict[str, HostLog], environ: dict[str, str]):
-        self.dep, self.ctx, self.shells, self.names, self.logs = dep, ctx, shells, names, logs
+        self.dep, self.ctx, self.shells, self.logs = dep, ctx, shells, logs
+        self.planned, self.names = planned, list(planned)
         self.environ = environ
         self.head = dep.cluster.head
         self.image = dep.recipe.engine.image
@@ -152,8 +158,11 @@ class _Launch:
         fabrics, bad = self.fabrics(info)
         if bad:
             return self.abort(bad, f"nothing changed: no fabric for {', '.join(sorted(bad))}")
+        # What runs is what was planned (the action's ContainerSpec), bound to the detected fabric.
         head_fabric = fabrics[self.head]
-        specs = {n: container_spec(dep, dep.cluster.host(n), fabrics[n], head_fabric) for n in self.names}
+        master = head_fabric.address if head_fabric else None
+        specs = {n: bind_fabric(self.planned[n], fabrics[n], master, dep.recipe.engine.nccl_roce_env)
+                 for n in self.names}
         envs = {n: expand_env(s.env, self.environ, str(dep.loaded.path)) for n, s in specs.items()}
 
         why = self.unchanged(specs, info)

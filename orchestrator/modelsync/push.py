@@ -6,6 +6,7 @@
    worker); nothing differs -> skipped. Otherwise check free space for the bytes still to send
    (nothing is copied to a host that cannot hold them), then rsync exactly the differing files
    from the head (rsync.py), then verify again: the result is exact or the host failed.
+Every command is the one the plan's action carries (its `SyncJob`, jobs.py).
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from typing import TYPE_CHECKING
 
 from ..outcomes import HostFailure, HostResult, run_per_host
 from . import remote
+from .jobs import HostsideOp, SyncJob
 from .manifest import Manifest, Verdict, gb
 from .progress import Progress
-from .rsync import SshOptions, explain, parse_stats, rsync_argv
-from .settings import MARGIN_BYTES, Settings, cache_file, verify_timeout
+from .rsync import explain, parse_stats
+from .settings import MARGIN_BYTES, Settings, verify_timeout
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
@@ -28,42 +30,31 @@ if TYPE_CHECKING:
 STAGE_NAME = "sync-model"
 
 
-def ssh_options(dep: "Deployment", worker: "Host", st: Settings) -> SshOptions:
-    c = dep.cluster
-    return SshOptions(key_file=st.head_key or worker.key_file,
-                      known_hosts_file=st.head_known_hosts or c.known_hosts_file,
-                      check_host_keys=c.host_key_checking, connect_timeout=st.connect_timeout)
+def job_of(action: "Action") -> SyncJob:
+    """The planned job (orchestrator/stages/sync_model.py puts it there)."""
+    if not isinstance(action.job, SyncJob):
+        raise HostFailure(f"internal error: the {STAGE_NAME} action of {action.host} carries no SyncJob "
+                          "(build plans with orchestrator.stages.build_plan)")
+    return action.job
 
 
-def head_manifest(dep: "Deployment", st: Settings, log: "HostLog", *, require: list[str],
-                  marker: str = "") -> tuple[Manifest, dict]:
+def head_manifest(dep: "Deployment", op: HostsideOp, st: Settings, log: "HostLog") -> tuple[Manifest, dict]:
     """The head's manifest (and the raw facts: mount, rsync, missing required files)."""
     head = dep.cluster.head_host
-    src = dep.checkpoint_dir(head)
-    args = ["--root", src, "--cache", cache_file(head.nvme_dir, src)]
-    args += [a for p in require for a in ("--require", p)]
-    args += ["--rehash"] if st.rehash else []
-    args += ["--marker", marker] if marker else []
-    log.write(f"manifest of {head.name}:{src}")
+    log.write(f"manifest of {head.name}:{dep.checkpoint_dir(head)}: {op.op} {' '.join(op.args)}")
     with remote.connect(head, dep.cluster, st.connect_timeout) as s:
         # The checkpoint size is unknown until listed: allow hashing the recipe's checkpoint_gb.
-        doc = remote.hostside(s, "manifest", args,
+        doc = remote.hostside(s, op.op, list(op.args),
                               timeout=verify_timeout(int(dep.recipe.model.checkpoint_gb * 1e9)))
     m = Manifest.from_json(doc)
     log.write(f"{m.describe()}, digest {m.digest}, hashed {gb(m.hashed_bytes)} in {m.seconds:.1f}s")
     return m, doc
 
 
-def verify(dep: "Deployment", host: "Host", m: Manifest, st: Settings, log: "HostLog", *,
-           sizes_only: bool = False, marker: str = "", clean: bool = False) -> Verdict:
+def verify(dep: "Deployment", host: "Host", op: HostsideOp, m: Manifest, st: Settings, log: "HostLog") -> Verdict:
     root = dep.checkpoint_dir(host)
-    args = ["--root", root, "--cache", cache_file(host.nvme_dir, root)]
-    args += ["--sizes-only"] if sizes_only else []
-    args += ["--clean"] if clean else []
-    args += ["--rehash"] if st.rehash and not sizes_only else []
-    args += ["--marker", marker] if marker else []
     with remote.connect(host, dep.cluster, st.connect_timeout) as s:
-        v = Verdict.from_json(remote.hostside(s, "verify", args, data=m.to_stdin(),
+        v = Verdict.from_json(remote.hostside(s, op.op, list(op.args), data=m.to_stdin(),
                                               timeout=verify_timeout(m.total_bytes)))
     log.write(f"verify {host.name}:{root}: {v.ok} match, to send: {v.problems()}, {len(v.extra)} extra, "
               f"hashed {gb(v.hashed_bytes)} in {v.seconds:.1f}s; {gb(v.avail_bytes)} free at {v.avail_path}")
@@ -89,8 +80,10 @@ def push_one(dep: "Deployment", action: "Action", m: Manifest, st: Settings, ctx
              log: "HostLog") -> HostResult:
     c = dep.cluster
     w, head = c.host(action.host), c.head_host
+    job = job_of(action)
+    assert job.transfer is not None and job.after is not None
     t0 = time.monotonic()
-    v = verify(dep, w, m, st, log)
+    v = verify(dep, w, job.check, m, st, log)
     if v.complete:
         why = f"already exact: {m.describe()} match the head's sha256, nothing sent"
         return HostResult(w.name, STAGE_NAME, "skipped", why + extras_note(v),
@@ -104,10 +97,8 @@ def push_one(dep: "Deployment", action: "Action", m: Manifest, st: Settings, ctx
         raise HostFailure(f"not enough space on {w.name} at {v.avail_path} for {dep.checkpoint_dir(w)}: "
                           f"{gb(need)} to send + {gb(MARGIN_BYTES)} kept free, {gb(v.avail_bytes)} free: "
                           f"short by {gb(short)}; nothing was copied")
-    total_timeout = st.transfer_timeout(need)
-    argv = rsync_argv(dep.checkpoint_dir(head), w.user, w.address, dep.checkpoint_dir(w), w.port,
-                      ssh_options(dep, w, st), io_timeout=st.io_timeout, total_timeout=total_timeout,
-                      bwlimit_mbps=st.bwlimit_mbps)
+    total_timeout = job.transfer.total_timeout(need)
+    argv = job.transfer.argv(need)
     log.write(f"to send: {v.problems(limit=10)}; {len(files)} files, {gb(need)}")
     log.write(f"on {head.name}: {' '.join(argv)}")
     ctx.say(f"  [dim]{w.name}[/dim] sending {len(files)} file(s), {gb(need)} from {head.name}")
@@ -118,11 +109,11 @@ def push_one(dep: "Deployment", action: "Action", m: Manifest, st: Settings, ctx
                                      timeout=total_timeout + 30, on_line=prog.line)
     copy_s = time.monotonic() - t_copy
     if rc != 0:
-        raise HostFailure(explain(rc, err, w.name, w.address, dep.checkpoint_dir(w), st.io_timeout,
+        raise HostFailure(explain(rc, err, w.name, w.address, dep.checkpoint_dir(w), job.transfer.io_timeout,
                                   total_timeout) + f" ({gb(prog.done)} of {gb(need)} had arrived)",
                           rc=rc, tail=[x for x in err.splitlines() if x.strip()][-10:])
     stats = parse_stats(out)
-    after = verify(dep, w, m, st, log, clean=True)     # exact now? then drop rsync's leftovers
+    after = verify(dep, w, job.after, m, st, log)     # exact now? then drop rsync's leftovers
     if not after.complete:
         raise HostFailure(f"after the copy {w.name} still differs from the head: {after.problems()} "
                           f"(did the head's files change during the sync? re-run)")
@@ -154,9 +145,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
     got: dict[str, Manifest] = {}
 
     def head_fn(action: "Action", log: "HostLog") -> HostResult:
-        opts = [ssh_options(dep, dep.cluster.host(a.host), st) for a in actions if a.host != head.name]
-        require = sorted({p for o in opts for p in (o.key_file, o.known_hosts_file) if p})
-        m, doc = head_manifest(dep, st, log, require=require)
+        m, doc = head_manifest(dep, job_of(action).check, st, log)
         if not doc.get("rsync"):
             raise HostFailure(f"rsync is not installed on the head {head.name} (apt-get install rsync)")
         if doc.get("missing_required"):

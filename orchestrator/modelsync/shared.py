@@ -22,16 +22,14 @@ from typing import TYPE_CHECKING
 from ..outcomes import HostFailure, HostResult
 from . import remote
 from .manifest import Manifest, Verdict
-from .push import STAGE_NAME, head_first, head_manifest, verify
+from .jobs import MARKER, HostsideOp
+from .push import STAGE_NAME, head_first, head_manifest, job_of, verify
 from .settings import Settings
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
     from ..plan import Action
     from ..runrecord import HostLog, RunContext
-
-MARKER = ".deployctl-shared-marker"
-
 
 def mount_text(mount: dict) -> str:
     return f"{mount.get('fstype', '?')} {mount.get('source', '?')} mounted at {mount.get('target', '?')}"
@@ -74,7 +72,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
     got: dict = {}
 
     def head_fn(action: "Action", log: "HostLog") -> HostResult:
-        m, doc = head_manifest(dep, st, log, require=[], marker=f"{MARKER}={nonce}")
+        m, doc = head_manifest(dep, job_of(action).check.with_marker_value(nonce), st, log)
         got["marked"] = True
         mount = doc.get("mount") or {}
         if shared_path:
@@ -90,7 +88,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
     def worker_fn(action: "Action", log: "HostLog") -> HostResult:
         m: Manifest = got["m"]
         h = dep.cluster.host(action.host)
-        v = verify(dep, h, m, st, log, sizes_only=True, marker=MARKER)
+        v = verify(dep, h, job_of(action).check, m, st, log)
         bad = problems(h.name, v, nonce, shared_path)
         data = {"files_total": len(m.files), "bytes_total": m.total_bytes, "manifest_digest": m.digest,
                 "mount": v.mount, "same_mount_as_head": same_mount(v.mount, got["mount"]),
@@ -113,6 +111,7 @@ def _unmark(dep: "Deployment", st: Settings) -> None:
     head = dep.cluster.head_host
     try:
         with remote.connect(head, dep.cluster, st.connect_timeout) as s:
-            remote.hostside(s, "unmark", ["--root", dep.checkpoint_dir(head), "--marker", MARKER], timeout=60)
+            op = HostsideOp("unmark", ("--root", dep.checkpoint_dir(head), "--marker", MARKER))
+            remote.hostside(s, op.op, list(op.args), timeout=60)
     except Exception:  # noqa: BLE001 - a leftover marker is harmless (hidden, never listed)
         pass

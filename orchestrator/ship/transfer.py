@@ -194,6 +194,26 @@ def worker_ssh_argv(worker: "Host", cluster: "Cluster", key_file: str | None, kn
     return argv + [f"{worker.user}@{worker.address}", shlex.join(remote)]
 
 
+@dataclass(frozen=True)
+class ShipJob:
+    """What ship runs for one worker, as planned: the head's `ssh worker ... relay ... docker load`
+    argv, the files the head must hold for it (its key, known_hosts), and the timeouts."""
+    load_argv: tuple[str, ...]
+    need_files: tuple[str, ...]
+    timeouts: Timeouts
+
+    def shown(self) -> str:
+        """The load command for people: the relay program (sent inline) named, not printed."""
+        relay = shlex.quote((HOSTSIDE / "ship_relay.py").read_text())
+        return shlex.join(a.replace(relay, "<hostside/ship_relay.py>") for a in self.load_argv)
+
+
+def ship_job(worker: "Host", cluster: "Cluster", key_file: str | None, known_hosts: str | None,
+             t: Timeouts) -> ShipJob:
+    need = tuple(p for p in (key_file, known_hosts if cluster.host_key_checking else None) if p)
+    return ShipJob(tuple(worker_ssh_argv(worker, cluster, key_file, known_hosts, t)), need, t)
+
+
 def agent_spec(head: HeadImage, head_host: "Host", sends: dict[str, list[int]], argvs: dict[str, list[str]],
                need_files: list[str], t: Timeouts) -> dict[str, Any]:
     return {"image_id": head.id, "diff_ids": list(head.diff_ids),

@@ -11,6 +11,7 @@ from typing import Any
 from ..deployment import Deployment
 from ..errors import InputError
 from ..plan import Plan, StagePlan
+from ..runoptions import RunOptions
 from ..sizing import plan_extra
 from ..sizing import require_fit as check_fit
 from . import (build, health, launch, preflight, ship, stage_engram, sync_model, write_ple)
@@ -43,10 +44,11 @@ def select(only: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> tuple[str,
 
 
 def build_plan(dep: Deployment, only: tuple[str, ...] = (), skip: tuple[str, ...] = (),
-               require_fit: bool = True) -> Plan:
+               require_fit: bool = True, options: RunOptions | None = None) -> Plan:
     """The plan; with `require_fit` (what `up` and the stage commands use) a plan that includes
     preflight or launch raises InputError (exit 2) naming each node that cannot hold its budget,
-    the shortfall and the fix. `deployctl plan` passes False: it prints the budget, then exits 2."""
+    the shortfall and the fix. `deployctl plan` passes False: it prints the budget, then exits 2.
+    OPTIONS: the command's RunOptions (the flags some stages' commands depend on, e.g. sync-model's)."""
     names = select(only, skip)
     if require_fit and any(n in names for n in NEEDS_FIT):
         check_fit(dep)
@@ -54,7 +56,7 @@ def build_plan(dep: Deployment, only: tuple[str, ...] = (), skip: tuple[str, ...
     for st in STAGES:
         if st.name not in names:
             continue
-        actions, note = st.plan(dep)
+        actions, note = st.plan(dep, options or RunOptions())
         stages.append(StagePlan(st.name, tuple(actions), note, stage=st))
     extra: dict[str, Any] = {}
     extra.update(plan_extra(dep))

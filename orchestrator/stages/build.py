@@ -18,6 +18,7 @@ from ..imagechain import lock as locks
 from ..imagechain.spec import check_inputs, load_chain
 from ..outcomes import HostResult, run_per_host
 from ..plan import Action
+from ..runoptions import RunOptions
 from .base import Stage
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 REPORT_FILE = "build-report.json"
 
 
-def plan(dep: "Deployment") -> tuple[list[Action], str]:
+def plan(dep: "Deployment", options: RunOptions) -> tuple[list[Action], str]:
     e, head = dep.recipe.engine, dep.cluster.head_host
     if not e.chain:
         return [], f"engine.chain is not set: image {e.image} is used as it is"

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from ..launch.commands import list_argv
 from ..plan import Action
+from ..runoptions import RunOptions
 from .base import Stage
 
 
-def plan(dep):
+def plan(dep, options: RunOptions):
     c, r = dep.cluster, dep.recipe
     base = dep.api_url
     name = r.engine.container_name or f"deployctl-{dep.name}"

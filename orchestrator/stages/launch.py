@@ -2,28 +2,29 @@
 from __future__ import annotations
 
 from ..executors.docker_cli import docker_argv
-from ..launch.containerspec import container_spec
+from ..launch.containerspec import planned_spec
 from ..plan import Action
+from ..runoptions import RunOptions
 from .base import Stage
 
 
-def plan(dep):
+def plan(dep, options: RunOptions):
     e = dep.recipe.engine
     acts = []
     for h in dep.cluster.hosts:
-        spec = container_spec(dep, h, None, None)
+        spec = planned_spec(dep, h)
         role = "head" if h.name == dep.cluster.head else "worker"
         acts.append(Action("launch", h.name, "docker-run",
                            f"start {e.kind} rank {h.rank} ({role}) from {e.image} on {h.name}",
                            command=tuple(docker_argv(h, *spec.docker_run_argv()[1:])),
-                           details={"container": spec.to_json()},
-                           digest=spec.digest))
+                           details={"container": spec.to_json()}, job=spec))
     return acts, ""
 
 
 def apply(dep, actions, ctx):
     """Probe every host, refuse early, clear every host, start the head then the workers
-    (orchestrator/launch/launcher.py); a cluster already running this spec is skipped."""
+    (orchestrator/launch/launcher.py): each host runs its action's planned ContainerSpec, bound to
+    the fabric detected there; a cluster already running these specs is skipped."""
     # Imported here, not at the top: launcher reaches paramiko (executors/ssh.py), and planning must
     # not import the executors' libraries (tests/test_plan.py test_planning_is_pure). Not a cycle.
     from ..launch import launcher

@@ -35,6 +35,7 @@ from ..inventory import Host
 from ..launch.memgate import mem_available_kib, memgate_verdict
 from ..outcomes import HostResult, run_per_host
 from ..plan import Action
+from ..runoptions import RunOptions
 from .base import Stage
 
 CONNECT_TIMEOUT_S = 10.0
@@ -76,7 +77,7 @@ def commands(h: Host, nvme: list[dict[str, Any]], gate_deployment: str = "") -> 
     return out
 
 
-def plan(dep):
+def plan(dep, options: RunOptions):
     from ..sizing import size
     sizing = size(dep)
     acts = []

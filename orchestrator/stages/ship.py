@@ -9,39 +9,41 @@ the head too (or `deployctl ship --head-ssh-key/--head-known-hosts`).
 """
 from __future__ import annotations
 
-import shlex
 import threading
 import time
-from typing import TYPE_CHECKING
 
-from ..executors.docker_cli import docker_argv, docker_sh
+
+from ..errors import DeployctlError
+from ..executors.docker_cli import docker_sh
 from ..outcomes import HostFailure, HostResult, run_per_host
 from ..plan import Action
+from ..runoptions import RunOptions
 from ..ship import transfer as tr
 from ..ship.progress import ShipProgress
 from ..ship.transfer import Timeouts
 from .base import Stage
 
-if TYPE_CHECKING:
-    from ..runoptions import RunOptions
 
 
-def plan(dep):
-    e, head = dep.recipe.engine, dep.cluster.head_host
+def plan(dep, options: RunOptions):
+    """One action per worker carrying its ShipJob (the head's load command for it), which apply runs."""
+    e, c, head = dep.recipe.engine, dep.cluster, dep.cluster.head_host
+    t = _timeouts(options)
     acts = []
-    for w in dep.cluster.workers:
-        load = shlex.join(["ssh", f"{w.user}@{w.address}", *docker_argv(w, "load")])
+    for w in c.workers:
+        job = tr.ship_job(w, c, options.ship_head_ssh_key or w.key_file,
+                          options.ship_head_known_hosts or c.known_hosts_file, t)
         acts.append(Action(
             "ship", w.name, "image-ship",
             f"send the layers of {e.image} that {w.name} lacks, from {head.name}'s engine, head to worker",
             command=("ssh", f"{head.user}@{head.address}",
                      f"{docker_sh(head, 'save', e.image)} "
-                     f"| <deployctl ship agent: only the layers {w.name} lacks> | {load}"),
-            details={"image": e.image, "from": head.name, "to": w.name}))
+                     f"| <deployctl ship agent: only the layers {w.name} lacks> | {job.shown()}"),
+            details={"image": e.image, "from": head.name, "to": w.name, "timeouts": vars(t)}, job=job))
     return acts, "" if acts else "single host: nothing to ship"
 
 
-def _timeouts(options: "RunOptions"):
+def _timeouts(options: RunOptions):
     d = Timeouts()
     stall = float(options.ship_stall_s or d.stall_s)
     deadline = float(options.ship_timeout_s or d.deadline_s)
@@ -54,7 +56,11 @@ def apply(dep, actions, ctx):
 
     cluster, head_host = dep.cluster, dep.cluster.head_host
     image = dep.recipe.engine.image
-    t = _timeouts(ctx.options)
+    jobs: dict[str, tr.ShipJob] = {a.host: a.job for a in actions}
+    if not all(isinstance(j, tr.ShipJob) for j in jobs.values()):
+        raise DeployctlError("internal error: ship actions carry no ShipJob (build plans with "
+                             "orchestrator.stages.build_plan)")
+    t = next(iter(jobs.values())).timeouts if jobs else _timeouts(ctx.options)
     workers = {w.name: w for w in cluster.workers}
     logs: dict = {}
     layer_events: list[dict] = []
@@ -85,13 +91,8 @@ def apply(dep, actions, ctx):
 
     def transfer(sends: dict[str, list[int]]) -> dict[str, tr.WorkerOutcome]:
         assert head is not None
-        argvs, need = {}, set()
-        for n in sends:
-            w = workers[n]
-            key = ctx.options.ship_head_ssh_key or w.key_file
-            known = ctx.options.ship_head_known_hosts or cluster.known_hosts_file
-            argvs[n] = tr.worker_ssh_argv(w, cluster, key, known, t)
-            need.update(p for p in (key, known if cluster.host_key_checking else None) if p)
+        argvs = {n: list(jobs[n].load_argv) for n in sends}
+        need = {p for n in sends for p in jobs[n].need_files}
         spec = tr.agent_spec(head, head_host, sends, argvs, sorted(need), t)
         with SSHTarget.for_host(head_host, cluster, t.connect_s).connect() as s:
             ctx.state.cleanups.append(s.close)
@@ -129,6 +130,7 @@ def apply(dep, actions, ctx):
             send = tr.plan_sends(head, have)
             log.write(f"lacks {len(send)} of {len(head.diff_ids)} layers: {send}; "
                       f"{len(head.diff_ids) - len(send)} present")
+            log.write(f"the head loads it with the planned command: {jobs[name].shown()}")
             progress.add(name, head.estimate(send), "waiting")
             if not cluster.host_key_checking:
                 log.write(f"WARNING: host_key_checking is false: the head accepts any SSH host key from {name}")

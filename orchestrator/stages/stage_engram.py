@@ -22,7 +22,8 @@ from ..errors import InputError
 from ..outcomes import HostResult, Status
 from ..paths import PLAYBOOKS_DIR
 from ..plan import Action
-from ..recipe import Recipe, digest_of
+from ..runoptions import RunOptions
+from ..recipe import Recipe
 from ..hostside.engram_stage import Spec, local_ranges
 from ..hostside.engram_stage import staged_bytes as _staged_bytes
 from .base import Stage
@@ -81,7 +82,7 @@ def playbook_vars(jobs: list[TableJob], pyz: "str | Path") -> dict[str, Any]:
     return table_vars(HOSTS_KEY, jobs, pyz)
 
 
-def plan(dep: "Deployment") -> tuple[list[Action], str]:
+def plan(dep: "Deployment", options: RunOptions) -> tuple[list[Action], str]:
     eg = dep.recipe.engram
     if eg is None:
         return [], "recipe has no Engram tables"
@@ -102,8 +103,7 @@ def plan(dep: "Deployment") -> tuple[list[Action], str]:
             details={"playbook": str(PLAYBOOK.relative_to(PLAYBOOKS_DIR.parent)),
                      "checkpoint": j.extra["checkpoint"], "dest": dest, "rank": h.rank, "bytes": j.bytes,
                      "layout": eg.layout, "timeout_s": j.timeout_s, "free_margin_gb": eg.free_margin_gb,
-                     "staging": eg.staging, "link": link, "job": j.to_json()},
-            digest=digest_of({"spec": j.spec, "checkpoint": j.extra["checkpoint"], "dest": dest})))
+                     "staging": eg.staging, "link": link, "job": j.to_json()}, job=j))
     return acts, ""
 
 

@@ -100,8 +100,9 @@ class TableJob:
 
     @classmethod
     def of(cls, action: "Action") -> "TableJob":
-        """The job a plan's Action carries; its argv must be the Action's command."""
-        job = cls.from_json(action.details["job"])
+        """The job a plan's Action carries (action.job; its JSON in details["job"] for plan files);
+        its argv must be the Action's command."""
+        job = action.job if isinstance(action.job, cls) else cls.from_json(action.details["job"])
         if action.command and tuple(action.command) != job.argv:
             raise ValueError(f"{action.host}: the action's command and its job's argv differ")
         return job

@@ -20,7 +20,8 @@ from typing import Any
 from ..outcomes import Status
 from ..paths import PLAYBOOKS_DIR
 from ..plan import Action
-from ..recipe import Recipe, digest_of
+from ..runoptions import RunOptions
+from ..recipe import Recipe
 from ..hostside.ple_write import SPEC_FORMAT, parse_spec
 from .base import Stage
 from .tableop import TableJob, make_job, run_jobs, table_vars
@@ -77,7 +78,7 @@ def playbook_vars(dep, pyz: str | Path, hosts=None, verify: bool = False) -> dic
                                  pyz)
 
 
-def plan(dep):
+def plan(dep, options: RunOptions):
     p = dep.recipe.ple
     if p is None:
         return [], "recipe has no PLE table"
@@ -103,7 +104,7 @@ def plan(dep):
                        "checkpoint": dep.checkpoint_dir(h), "dest": dep.ple_dir(h)}
         acts.append(Action(STAGE_NAME, h.name, "ansible-playbook", summary, command=job.argv,
                            details={**details, "playbook": f"playbooks/{PLAYBOOK.name}", "job": job.to_json()},
-                           digest=digest_of({"spec": spec, "argv": list(job.argv)})))
+                           job=job))
     return acts, ""
 
 
