@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from orchestrator.recipe import load_recipe                      # noqa: E402
 from orchestrator.stages.write_ple import spec_for               # noqa: E402
 from orchestrator.hostside import bulkcopy, bundle                 # noqa: E402
-from orchestrator.hostside import ple_write as P                   # noqa: E402
+from orchestrator.hostside import ple_spec                          # noqa: E402
 from orchestrator.hostside.geometry import total_rows              # noqa: E402
 from tests.synth import TensorPlan, ple_shard_rows, recipe_config, write_checkpoint             # noqa: E402
 
@@ -262,10 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         plain_peak.pop()
 
         # what the per-chunk sha256 costs: the copy alone, with and without, alternating
-        table_spec = P.load_spec(spec)
-        src = P.resolve_source(table_spec, ck)
+        table_spec = ple_spec.load_spec(spec)
+        src = ple_spec.resolve_source(table_spec, ck)
         (table,) = table_spec.tables()
-        segments = P.segments_for(table, src, table.row_bytes)
+        segments = ple_spec.segments_for(table, src, table.row_bytes)
         with_sums, without = [], []
         for r in range(a.rounds):
             for flag, acc in ((True, with_sums), (False, without))[::1 if r % 2 == 0 else -1]:

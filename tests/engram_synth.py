@@ -18,7 +18,7 @@ from typing import Callable
 
 from orchestrator.recipe import load_recipe
 from orchestrator.stages.stage_engram import engram_spec
-from orchestrator.hostside import engram_stage as op
+from orchestrator.hostside import engram_spec as es
 from orchestrator.hostside.safetensors import TensorInfo
 
 WEIGHT = "layers.{layer}.engram.embed.weight"
@@ -154,9 +154,9 @@ class Synth:
         return recipe_sets(self.layers, self.vocab, self.heads, self.row_values, self.scale_values, layout,
                            staging)
 
-    def spec(self, tp: int, rank: int, layout: str = "sparse", staging: str = "copy", **over) -> op.Spec:
+    def spec(self, tp: int, rank: int, layout: str = "sparse", staging: str = "copy", **over) -> es.Spec:
         r = load_recipe(RECIPE, self.sets(layout, staging)).recipe
-        return op.Spec.from_json({**engram_spec(r, rank, tp).to_json(), **over})
+        return es.Spec.from_json({**engram_spec(r, rank, tp).to_json(), **over})
 
     def expected_range(self, layer: int, tp: int, rank: int) -> tuple[int, int]:
         subs = self.sizes[layer]

@@ -162,8 +162,9 @@ def qwen_checkpoint_and_table(folder: str | Path, sets=QWEN_SMALL_SETS) -> tuple
     from orchestrator.recipe import load_recipe
     from orchestrator.stages.write_ple import spec_for
     from orchestrator.hostside import ple_write
+    from orchestrator.hostside import ple_spec
     r = load_recipe("qwen38-flash-next-spark", sets).recipe
     ck = Path(folder) / "ck"
     write_checkpoint(ck, [t for t in recipe_tensors(r) if ".ple." in t.name], files=2, config=recipe_config(r))
-    out = ple_write.write_table(ple_write.parse_spec(spec_for(r)), ck, Path(folder) / "ple", quiet=True)
+    out = ple_write.write_table(ple_spec.parse_spec(spec_for(r)), ck, Path(folder) / "ple", quiet=True)
     return ck, Path(out.data["file"])

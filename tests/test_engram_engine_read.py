@@ -28,6 +28,8 @@ from orchestrator.launch.containerspec import ENGRAM_MOUNT, container_spec
 from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.recipe import load_recipe
 from orchestrator.hostside import engram_stage as op
+from orchestrator.hostside import engram_checks as ec
+from orchestrator.hostside import engram_spec as es
 from orchestrator.hostside.geometry import TableGeometry, rank_ranges
 from tests.engram_synth import SCALE, WEIGHT, Synth, read_rows
 
@@ -184,8 +186,8 @@ def test_corrupted_offsets_fail(synth, staged, tmp_path):
     shifted_copy(synth, staged[rank], nohead, rank, "no-header")
     with pytest.raises(D.EngramError):
         read_all(synth, nohead, 4, rank)
-    with pytest.raises(op.VerifyFailed, match="the engine's reader cannot find"):
-        op.fidelity_check(synth.spec(4, rank), op.resolve_sources(synth.spec(4, rank), synth.ckpt), nohead)
+    with pytest.raises(es.VerifyFailed, match="the engine's reader cannot find"):
+        ec.fidelity_check(synth.spec(4, rank), es.resolve_sources(synth.spec(4, rank), synth.ckpt), nohead)
 
     local = tmp_path / "local-offsets"
     shifted_copy(synth, staged[rank], local, rank, "local-offsets")
@@ -194,8 +196,8 @@ def test_corrupted_offsets_fail(synth, staged, tmp_path):
     assert got[1][0] == "local" and got[1][3][0] != checkpoint_row(synth, 1, lo)
     with pytest.raises(D.EngramError, match="differs from the model folder"):
         D.engram_check_rank(str(synth.ckpt), 4, rank, 16, env={"DSV41_ENGRAM_DIR": str(local)})
-    with pytest.raises(op.VerifyFailed, match="not where the engine looks for them"):
-        op.fidelity_check(synth.spec(4, rank), op.resolve_sources(synth.spec(4, rank), synth.ckpt), local)
+    with pytest.raises(es.VerifyFailed, match="not where the engine looks for them"):
+        ec.fidelity_check(synth.spec(4, rank), es.resolve_sources(synth.spec(4, rank), synth.ckpt), local)
 
     old = tmp_path / "old-format"                     # manifest version 1: engram-L*.bin, no index, no header
     old.mkdir()

@@ -17,6 +17,8 @@ from click.testing import CliRunner
 from orchestrator.cli import cli
 from orchestrator.errors import InputError, StageFailed
 from orchestrator.hostside import engram_stage as op
+from orchestrator.hostside import engram_checks as ec
+from orchestrator.hostside import engram_spec as es
 from tests.engram_synth import RECIPE, SCALE, WEIGHT, Synth
 
 MANIFEST, LOCAL = "engram-manifest.json", "engram-local.json"
@@ -145,8 +147,8 @@ def test_damaged_header_caught_by_verify_and_fidelity(small, tmp_path):
     # without the header (the rows where they belong, the first bytes zero): the engine cannot read it
     with open(dest / name, "r+b") as f:
         f.write(bytes(8))
-    with pytest.raises(op.VerifyFailed, match="the engine's reader cannot find"):
-        op.fidelity_check(spec, op.resolve_sources(spec, small.ckpt), dest)
+    with pytest.raises(es.VerifyFailed, match="the engine's reader cannot find"):
+        ec.fidelity_check(spec, es.resolve_sources(spec, small.ckpt), dest)
 
 
 def test_verify_through_the_cli_names_file_and_chunk(small, tmp_path):
@@ -166,19 +168,19 @@ def test_verify_through_the_cli_names_file_and_chunk(small, tmp_path):
 def test_wrong_rank_refused(small, tmp_path):
     dest = tmp_path / "d"
     op.stage(small.spec(4, 1), small.ckpt, dest)
-    m = op.check_rank(dest, small.spec(4, 1).ranges())
+    m = ec.check_rank(dest, small.spec(4, 1).ranges())
     assert m["rank"] == 1
-    assert op.check_rank(dest, {1: small.expected_range(1, 4, 1), 14: small.expected_range(14, 4, 1)})
+    assert ec.check_rank(dest, {1: small.expected_range(1, 4, 1), 14: small.expected_range(14, 4, 1)})
     lo, hi = small.expected_range(1, 4, 2)
-    with pytest.raises(op.RankMismatch, match=rf"layer 1 holds rows \[\d+, \d+\] \(staged for rank 1 of 4\) "
+    with pytest.raises(es.RankMismatch, match=rf"layer 1 holds rows \[\d+, \d+\] \(staged for rank 1 of 4\) "
                                               rf"but this host's rank owns rows \[{lo}, {hi}\]"):
-        op.check_rank(dest, small.spec(4, 2).ranges())
+        ec.check_rank(dest, small.spec(4, 2).ranges())
     # the launch stage reads the two files over SSH: same check through a reader function
     files = {str(dest / n): (dest / n).read_text() for n in (MANIFEST, LOCAL)}
-    with pytest.raises(op.RankMismatch):
-        op.check_rank(str(dest), small.spec(4, 0).ranges(), read_text=files.get)
-    with pytest.raises(op.RankMismatch, match="no complete Engram staging"):
-        op.check_rank(tmp_path / "empty", small.spec(4, 0).ranges())
+    with pytest.raises(es.RankMismatch):
+        ec.check_rank(str(dest), small.spec(4, 0).ranges(), read_text=files.get)
+    with pytest.raises(es.RankMismatch, match="no complete Engram staging"):
+        ec.check_rank(tmp_path / "empty", small.spec(4, 0).ranges())
     r = CliRunner().invoke(cli, ["engram", "check-rank", "--recipe", RECIPE,
                                  *[x for v in small.sets() for x in ("--set", v)],
                                  "--dest", str(dest), "--rank", "3"])
@@ -211,7 +213,7 @@ def test_broken_checkpoint_named_exit_2(small, tmp_path, fault):
 
 
 def test_geometry_mismatch_is_input_error(small, tmp_path):
-    spec = op.Spec.from_json({**small.spec(4, 0).to_json(),
+    spec = es.Spec.from_json({**small.spec(4, 0).to_json(),
                               "geometry": {**small.spec(4, 0).to_json()["geometry"], "vocab_per_order": [50, 60, 200]}})
     with pytest.raises(InputError, match="check engram.geometry"):
         op.stage(spec, small.ckpt, tmp_path / "d")

@@ -17,6 +17,8 @@ from orchestrator.recipe import load_recipe
 from orchestrator.stages.stage_engram import engram_spec
 from orchestrator.hostside import bulkcopy, bundle
 from orchestrator.hostside import engram_stage as op
+from orchestrator.hostside import engram_checks as ec
+from orchestrator.hostside import engram_spec as es
 from orchestrator.hostside.geometry import layer_tables
 from tests.engram_synth import RECIPE, WEIGHT, Synth, make_checkpoint
 
@@ -95,7 +97,7 @@ def test_link_mode_links_every_shard_and_copies_nothing(synth, tmp_path):
     assert m["mode"] == "link" and m["allocated_bytes"] == 4096 and all(f["sha256"] == [] for f in m["files"])
     chk = op.check(spec, synth.ckpt, tmp_path / "other")
     assert chk["mode"] == "link" and chk["need_bytes"] == 4096
-    assert op.check_rank(dest, spec.ranges())["rank"] == 1
+    assert ec.check_rank(dest, spec.ranges())["rank"] == 1
     res = op.stage(spec, synth.ckpt, dest, verify=True)
     assert res["status"] == "skipped" and "every link is still the checkpoint's shard" in res["reason"]
     # the checkpoint's shard replaced (a resync writes a new file): no longer the same inode -> relinked
@@ -136,8 +138,8 @@ def test_skip_is_fast_reads_no_data_and_says_why(synth, tmp_path, monkeypatch):
         raise AssertionError("table data was read on a no-op")
     for name in ("copy_segments", "hash_chunks"):
         monkeypatch.setattr(bulkcopy, name, boom)
-    monkeypatch.setattr(op, "read_checkpoint_row", boom)
-    monkeypatch.setattr(op.EngineView, "row", boom)
+    monkeypatch.setattr(ec, "read_checkpoint_row", boom)
+    monkeypatch.setattr(ec.EngineView, "row", boom)
     t0 = time.monotonic()
     res = op.stage(spec, synth.ckpt, dest)
     assert time.monotonic() - t0 < 2
@@ -189,8 +191,8 @@ def test_restage_over_the_old_whole_layer_format(synth, tmp_path):
     for name in ("engram-L1.weight.bin", "engram-L1.scale.bin", "engram-L14.weight.bin", "engram-L14.scale.bin"):
         with open(dest / name, "wb") as f:
             f.write(b"\1" * 8192)
-    (dest / "engram-local.json").write_text(json.dumps({"layers": op.local_ranges(synth.spec(4, 0))}))
-    (dest / "engram-manifest.json").write_text(json.dumps({"format": op.MANIFEST_FORMAT, "version": 1,
+    (dest / "engram-local.json").write_text(json.dumps({"layers": es.local_ranges(synth.spec(4, 0))}))
+    (dest / "engram-manifest.json").write_text(json.dumps({"format": es.MANIFEST_FORMAT, "version": 1,
                                                           "complete": True}))
     chk = op.check(synth.spec(4, 0), synth.ckpt, dest)
     assert not chk["up_to_date"] and chk["reclaimable_bytes"] >= 4 * 8192
@@ -203,7 +205,7 @@ def test_packed_layout_is_refused_with_the_reason(synth):
     with pytest.raises(Exception, match="packed"):
         load_recipe(RECIPE, synth.sets() + ["engram.layout=packed"])
     with pytest.raises(op.InputError, match="'packed' was removed, no engine reads it"):
-        op.Spec.from_json({**synth.spec(4, 0).to_json(), "layout": "packed"})
+        es.Spec.from_json({**synth.spec(4, 0).to_json(), "layout": "packed"})
 
 
 def test_cli_stage_json_and_text(synth, tmp_path):
@@ -257,19 +259,19 @@ def test_noop_on_real_size_checkpoint_is_fast(tmp_path):
     spec = engram_spec(r, 2)
     dest = tmp_path / "nvme"
     dest.mkdir()
-    sources = op.resolve_sources(spec, ckpt)
+    sources = es.resolve_sources(spec, ckpt)
     mode, _ = op.staging_mode(spec, sources, dest)
-    files = op.out_files(spec, sources, mode)
+    files = es.out_files(spec, sources, mode)
     assert mode == "link"               # the recipe's default on a node's own checkpoint, same filesystem
-    files = op.out_files(spec, sources, "copy")
-    spec = op.Spec.from_json({**spec.to_json(), "link": False})
+    files = es.out_files(spec, sources, "copy")
+    spec = es.Spec.from_json({**spec.to_json(), "link": False})
     for f in files:                     # a staged folder as a real copy leaves it (data: holes)
         with open(dest / f.name, "wb") as fh:
             fh.truncate(f.size)
     (dest / "model.safetensors.index.json").write_bytes(sources.index)
     mfiles = [op._manifest_file(f, ["0" * 64] * f.chunk_count(spec.chunk_bytes), spec.chunk_bytes, "0" * 64)
               for f in files]
-    (dest / "engram-local.json").write_text(json.dumps({"layers": op.local_ranges(spec)}))
+    (dest / "engram-local.json").write_text(json.dumps({"layers": es.local_ranges(spec)}))
     (dest / "engram-manifest.json").write_text(json.dumps(op._manifest(spec, sources, files, mfiles, 0.0)))
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "orchestrator", "engram", "stage", "-r", RECIPE, "--rank", "2",

@@ -22,6 +22,7 @@ from orchestrator.launch.containers import _parse_time, parse_list, run_argv
 from orchestrator.launch.lock import lock_path
 from orchestrator.launch.containerspec import SPEC_LABEL, bind_fabric, container_spec
 from orchestrator.launch.fabric import Fabric
+from orchestrator.runoptions import RunOptions
 from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.outcomes import HostFailure, run_per_host
 from orchestrator.plan import Action, Plan, StagePlan
@@ -123,7 +124,7 @@ def test_lock_path_is_safe():
 
 
 def _fake_plan(dep, apply):
-    stage = Stage("launch", lambda d: ([], ""), apply)
+    stage = Stage("launch", lambda d, o: ([], ""), apply)
     plan = Plan(dep, (StagePlan("launch", tuple(Action("launch", h.name, "x", "x") for h in dep.cluster.hosts),
                                 stage=stage),))
     return stage, plan
@@ -288,7 +289,7 @@ def test_preflight_ram_check_holds_the_memory_gate():
     c = pf.check_ram("spark2", info, 0, None, 100, engine_running=True)
     assert c.status == "ok" and "judged at launch" in c.detail
     assert pf.check_ram("spark2", "MemAvailable: 110000000 kB\n", 0, None, 100).status == "ok"
-    a = {x.host: x for x in pf.plan(spark4())[0]}["spark2"]
+    a = {x.host: x for x in pf.plan(spark4(), RunOptions())[0]}["spark2"]
     assert a.details["min_mem_available_gib"] == 100
     assert a.details["commands"]["ram"][1][-2:] == ["--filter", "label=deployctl.deployment=spark4"]
 

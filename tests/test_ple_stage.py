@@ -16,7 +16,7 @@ from orchestrator.deployment import load_deployment
 from orchestrator.stages import build_plan
 from orchestrator.recipe import load_recipe
 from orchestrator.stages.write_ple import spec_for
-from orchestrator.hostside import ple_write as P
+from orchestrator.hostside import ple_spec
 from orchestrator.hostside.geometry import total_rows
 from tests import synth
 
@@ -46,7 +46,7 @@ def test_plan_spark_names_the_file_and_rtx_writes_none():
 def test_spec_round_trips_through_the_op_parser():
     r = load_recipe("qwen38-flash-next-spark").recipe
     doc = spec_for(r)
-    spec = P.parse_spec(json.loads(json.dumps(doc)))
+    spec = ple_spec.parse_spec(json.loads(json.dumps(doc)))
     assert spec.to_json() == doc
     assert total_rows(spec.geometry) == 320_001_446
 
@@ -145,7 +145,7 @@ def test_stage_writes_then_keeps_through_ansible(cluster, tmp_path):
     f = Path(res["data"]["file"])
     assert f.parent == dest and f.read_bytes() == table_bytes(plans)
     assert [x.name for x in dest.glob("ple_table_*.bin")] == [f.name]       # the stale one is gone
-    assert (dest / P.manifest_name(f.name)).exists()
+    assert (dest / ple_spec.manifest_name(f.name)).exists()
     st = f.stat()
 
     p = deployctl("ple", "-i", str(inv), *sets, "--json")

@@ -19,6 +19,7 @@ import pytest
 from orchestrator.errors import InputError
 from orchestrator.hostside import bulkcopy, bundle
 from orchestrator.hostside import ple_write as P
+from orchestrator.hostside import ple_spec
 from orchestrator.hostside.geometry import TableGeometry, total_rows
 from tests.synth import TensorPlan, expected_row, write_checkpoint
 
@@ -28,7 +29,7 @@ CHUNK = 8192                      # 51.2 rows of 160 B: chunks and shards never 
 
 def spec_doc(shards: int = 16, vocab=(97, 101), width: int = 160, placement: str = "nvme",
              tp: int = 1, ranks=(0,), split: int | None = None, **extra) -> dict:
-    return {"format": P.SPEC_FORMAT, "placement": placement,
+    return {"format": ple_spec.SPEC_FORMAT, "placement": placement,
             "geometry": {"layers": [2], "orders": [2, 3], "heads_per_order": 8,
                          "vocab_per_order": list(vocab), "row_values": width, "dtype": "F8_E4M3"},
             "shard_tensor": TENSOR, "shards": shards, "tp": tp, "ranks": list(ranks),
@@ -51,7 +52,7 @@ def shard_plans(rows: int, shards: int, width: int = 160) -> list[TensorPlan]:
 
 def expected_bytes(plans: list[TensorPlan], spec=None, rank: int = 0) -> bytes:
     """The file the engine maps, built independently: padded row count, shard i at i x stride."""
-    spec = spec or P.parse_spec(spec_doc(shards=len(plans)))
+    spec = spec or ple_spec.parse_spec(spec_doc(shards=len(plans)))
     rows = total_rows(spec.geometry)
     org = -(-rows // 128) * 128
     per = -(-org // 64) * 64 // spec.tp
@@ -66,7 +67,7 @@ def expected_bytes(plans: list[TensorPlan], spec=None, rank: int = 0) -> bytes:
 @pytest.fixture
 def ckpt(tmp_path):
     doc = spec_doc()
-    spec = P.parse_spec(doc)
+    spec = ple_spec.parse_spec(doc)
     plans = shard_plans(total_rows(spec.geometry), 16)
     write_checkpoint(tmp_path / "ckpt", plans, files=5, config=config_of(doc))
     return spec, tmp_path / "ckpt", plans
@@ -117,7 +118,7 @@ def test_every_byte_and_manifest(ckpt, tmp_path):
     assert data == expected_bytes(plans)
     assert data[133 * 160:136 * 160] == bytes(3 * 160)          # the gap after shard 0 stays zero
     assert data[136 * 160:137 * 160] == expected_row(plans[1].name, 0, 160)   # shard 1 at 1 x 136
-    m = json.loads((tmp_path / "ple" / P.manifest_name(f.name)).read_text())
+    m = json.loads((tmp_path / "ple" / ple_spec.manifest_name(f.name)).read_text())
     assert (m["layout"]["shape"], m["row_bytes"], m["dtype"], m["bytes"]) == ([2176, 160], 160, "F8_E4M3", 348160)
     assert m["layout"]["shard_stride"] == 136 and m["layout"]["tag"] == "rows0-2176"
     spans = [(o, n) for o, n in m["spans"]]
@@ -128,12 +129,12 @@ def test_every_byte_and_manifest(ckpt, tmp_path):
     assert [x["name"] for x in m["source"]["files"]] == sorted({p.name for p in ck.glob("*.safetensors")})
     assert m["recipe"] == {"name": "test", "digest": "0"}
     assert out.data["readback_rows"] >= 2 * 16
-    assert sorted(os.listdir(tmp_path / "ple")) == sorted([f.name, P.manifest_name(f.name)])
+    assert sorted(os.listdir(tmp_path / "ple")) == sorted([f.name, ple_spec.manifest_name(f.name)])
 
 
 def test_two_ranks_each_get_their_vocabulary_shard(tmp_path):
     doc = spec_doc(tp=2, ranks=[0, 1])
-    spec = P.parse_spec(doc)
+    spec = ple_spec.parse_spec(doc)
     plans = shard_plans(total_rows(spec.geometry), 16)
     write_checkpoint(tmp_path / "ck", plans, files=3, config=config_of(doc))
     out = write(spec, tmp_path / "ck", tmp_path / "ple")
@@ -197,7 +198,7 @@ def test_check_reports_without_writing_or_reading_the_table(ckpt, tmp_path, monk
     doc = P.check_table(spec, ck, dest)
     assert doc["up_to_date"] is True and doc["reason"].startswith("kept: ") and doc["file"] == str(f)
     assert not spy.opened(f)
-    info = P.Checkpoint(ck).tensor(plans[0].name)
+    info = ple_spec.Checkpoint(ck).tensor(plans[0].name)
     os.utime(info.file, ns=(info.file.stat().st_atime_ns, info.file.stat().st_mtime_ns + 10**9))
     doc = P.check_table(spec, ck, dest)
     assert doc["up_to_date"] is False and "the checkpoint changed" in doc["reason"]
@@ -210,7 +211,7 @@ def test_changed_checkpoint_rewrites_by_rename_without_reading_the_old_file(ckpt
     old_ino = f.stat().st_ino
     # a new revision of the checkpoint: other bytes in shard 3's rows
     t = plans[3]
-    info = P.Checkpoint(ck).tensor(t.name)
+    info = ple_spec.Checkpoint(ck).tensor(t.name)
     with open(info.file, "r+b") as fh:
         fh.seek(info.offset)
         fh.write(b"\xAB" * 160)
@@ -247,12 +248,12 @@ def test_other_geometry_replaces_the_table(ckpt, tmp_path):
     old = Path(write(spec, ck, dest).data["file"])
     # same shards regrouped: 8 shards over another checkpoint with another vocabulary
     doc2 = spec_doc(shards=8, vocab=(211, 223))
-    spec2 = P.parse_spec(doc2)
+    spec2 = ple_spec.parse_spec(doc2)
     plans2 = shard_plans(total_rows(spec2.geometry), 8)
     write_checkpoint(tmp_path / "ck2", plans2, files=3, config=config_of(doc2))
     out = write(spec2, tmp_path / "ck2", dest)
     assert out.status == "written" and "no manifest" in out.reason
-    assert sorted(out.data["removed"]) == sorted([old.name, P.manifest_name(old.name)]) and not old.exists()
+    assert sorted(out.data["removed"]) == sorted([old.name, ple_spec.manifest_name(old.name)]) and not old.exists()
     assert Path(out.data["file"]).read_bytes() == expected_bytes(plans2, spec2)
 
 
@@ -299,7 +300,7 @@ def test_enospc_leaves_no_table_and_no_manifest(ckpt, small_fs):
     small = small_fs(200)
     for prealloc in (True, False):            # refused at fallocate / mid-write without it
         dest = small / "ple"
-        with pytest.raises(P.WriteFailed) as e:
+        with pytest.raises(ple_spec.WriteFailed) as e:
             write(spec, ck, dest, prealloc=prealloc)
         assert "no space left" in str(e.value) and "348,160 bytes" in str(e.value)
         assert os.listdir(dest) == [], (prealloc, os.listdir(dest))
@@ -352,7 +353,7 @@ def test_readback_mismatch_fails_and_leaves_nothing(ckpt, tmp_path, monkeypatch)
     def off_by_one_row(src_fd, src_off, dst_fd, dst_off, length, chunk):
         real(src_fd, src_off + 160 if dst_off == 0 else src_off, dst_fd, dst_off, length, chunk)
     monkeypatch.setattr(bulkcopy, "copy_range", off_by_one_row)
-    with pytest.raises(P.WriteFailed, match="read-back check: row 0"):
+    with pytest.raises(ple_spec.WriteFailed, match="read-back check: row 0"):
         write(spec, ck, tmp_path / "ple")
     assert os.listdir(tmp_path / "ple") == []
 
@@ -363,7 +364,7 @@ def test_one_writer_per_folder(ckpt, tmp_path):
     dest.mkdir()
     held = P._DirLock(dest)
     try:
-        with pytest.raises(P.WriteFailed, match="another ple-write holds the lock"):
+        with pytest.raises(ple_spec.WriteFailed, match="another ple-write holds the lock"):
             write(spec, ck, dest)
     finally:
         held.close()
@@ -371,24 +372,24 @@ def test_one_writer_per_folder(ckpt, tmp_path):
 
 def test_spec_errors_name_the_key(tmp_path):
     with pytest.raises(InputError, match="shard_tensor.*needs \\{shard\\}"):
-        P.parse_spec(spec_doc(shard_tensor="a.{layer}.weight"))
+        ple_spec.parse_spec(spec_doc(shard_tensor="a.{layer}.weight"))
     with pytest.raises(InputError, match="ranks.*distinct ranks in 0..0"):
-        P.parse_spec(spec_doc(ranks=[1]))
+        ple_spec.parse_spec(spec_doc(ranks=[1]))
     with pytest.raises(InputError, match="engine_config.split_ngram_parts.*missing"):
         d = spec_doc()
         del d["engine_config"]["split_ngram_parts"]
-        P.parse_spec(d)
+        ple_spec.parse_spec(d)
     with pytest.raises(InputError, match="geometry.layers.*one layer"):
         d = spec_doc()
         d["geometry"]["layers"] = [1, 2]
-        P.parse_spec(d)
+        ple_spec.parse_spec(d)
 
 
 def test_pinned_ram_verdict_is_pure_and_names_host_needed_available():
-    spec = P.parse_spec(spec_doc(placement="pinned"))
-    ok, msg = P.pinned_ram_verdict(70 * 10**9, spec, "rtx1")
+    spec = ple_spec.parse_spec(spec_doc(placement="pinned"))
+    ok, msg = ple_spec.pinned_ram_verdict(70 * 10**9, spec, "rtx1")
     assert ok and "rtx1: 70.0 GB RAM available >= 64 GB" in msg
-    ok, msg = P.pinned_ram_verdict(20 * 10**9, {"min_host_ram_gb": 64}, "rtx1")
+    ok, msg = ple_spec.pinned_ram_verdict(20 * 10**9, {"min_host_ram_gb": 64}, "rtx1")
     assert not ok
     assert "rtx1" in msg and "needs 64 GB" in msg and "has 20.0 GB available" in msg
 
@@ -396,11 +397,11 @@ def test_pinned_ram_verdict_is_pure_and_names_host_needed_available():
 def test_pinned_placement_writes_no_file_and_refuses_low_ram(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 100 kB\nMemAvailable:   10000000 kB\n")   # 10.24 GB
-    spec = P.parse_spec(spec_doc(placement="pinned", min_host_ram_gb=8))
+    spec = ple_spec.parse_spec(spec_doc(placement="pinned", min_host_ram_gb=8))
     out = P.write_table(spec, "", "", host="h1", meminfo=str(meminfo))
     assert out.status == "no-file" and "no file is written" in out.reason and "10.2 GB" in out.reason
-    spec = P.parse_spec(spec_doc(placement="pinned", min_host_ram_gb=100000))
-    with pytest.raises(P.WriteFailed, match="h1: refusing placement 'pinned'.*needs 100000 GB"):
+    spec = ple_spec.parse_spec(spec_doc(placement="pinned", min_host_ram_gb=100000))
+    with pytest.raises(ple_spec.WriteFailed, match="h1: refusing placement 'pinned'.*needs 100000 GB"):
         P.write_table(spec, "", "", host="h1", meminfo=str(meminfo))
 
 
@@ -432,7 +433,7 @@ def test_chunks_cut_across_segments():
 
 def test_geometry_of_the_real_recipe():
     g = TableGeometry((2,), (2, 3), 8, (20_000_000, 20_000_000), 160)
-    spec = P.parse_spec(spec_doc(vocab=(20_000_000, 20_000_000), shards=128))
+    spec = ple_spec.parse_spec(spec_doc(vocab=(20_000_000, 20_000_000), shards=128))
     assert total_rows(g) == 320_001_446
     (t,) = spec.tables()
     assert t.file_name == "ple_table_320001536x160_float8_e4m3fn_51200245760B_rows0-320001536.bin"

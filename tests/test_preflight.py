@@ -16,6 +16,7 @@ import yaml
 
 from orchestrator.deployment import load_deployment
 from orchestrator.errors import InputError
+from orchestrator.runoptions import RunOptions
 from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.stages import preflight as pf
 
@@ -28,7 +29,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def actions(inv: str | Path, *sets: str):
-    return {a.host: a for a in pf.plan(load_deployment(inv, None, tuple(sets)))[0]}
+    return {a.host: a for a in pf.plan(load_deployment(inv, None, tuple(sets)), RunOptions())[0]}
 
 
 # -- the plan (pure) ------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ def test_run_record_and_failure_report(tmp_path, monkeypatch):
     dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
     ok = "echo hello; echo fine"
     bad = f"echo loading; echo token {SECRET}; echo 'CUDA error: out of memory'; exit 3"
-    launch = Stage("launch", lambda d: ([], ""), _apply)
-    health = Stage("health", lambda d: ([], ""), _apply)
+    launch = Stage("launch", lambda d, o: ([], ""), _apply)
+    health = Stage("health", lambda d, o: ([], ""), _apply)
     plan = Plan(dep, (      # each StagePlan carries the Stage that applies it: no lookup by name
         StagePlan("launch", tuple(Action("launch", h.name, "sh", "test", command=(bad if h.rank == 2 else ok,))
                                   for h in dep.cluster.hosts), stage=launch),

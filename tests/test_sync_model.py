@@ -106,8 +106,8 @@ def test_first_sync_makes_every_worker_exact(cluster, synced):
     plan = json.loads((run_dir / "plan.json").read_text())
     planned = {a["host"]: a["command"] for st in plan["stages"] for a in st["actions"]}
     for w in ("node2", "node3", "node4"):
-        ran = next(line.split(" on node1: ", 1)[1] for line in (run_dir / "logs" / w / "sync-model.log").read_text().splitlines()
-                   if " on node1: " in line)
+        ran = next(line.split("on node1: ", 1)[1] for line in (run_dir / "logs" / w / "sync-model.log").read_text().splitlines()
+                   if line.startswith("on node1: "))
         want = planned[w][2:]                  # without `ssh root@<head>`
         assert want[:3] == ["timeout", "-k", "10"] and "--files-from=-" in want
         got = ran.split(" ")

@@ -10,6 +10,8 @@ from ..errors import DeployctlError, InputError
 from ..recipe import Recipe, load_recipe
 from ..stages.stage_engram import engram_spec
 from ..hostside import engram_stage as op
+from ..hostside import engram_checks as ec
+from ..hostside import engram_spec as es
 from .common import deployment_options, emit_json, handle_errors, inventory_option, recipe_options
 from .pipeline import run_stages
 
@@ -132,8 +134,8 @@ def check_rank_cmd(dest, rank, recipe, sets, ranks, inventory):
     """Refuse (exit 1) unless DEST holds exactly the rows RANK owns (what launch checks)."""
     r = _recipe(recipe, tuple(sets), inventory)
     spec = engram_spec(r, rank, _tp(r, ranks))
-    op.check_rank(dest, spec.ranges())
-    click.echo(f"{dest}: rank {rank} of {spec.tp}: {json.dumps(op.local_ranges(spec))}")
+    ec.check_rank(dest, spec.ranges())
+    click.echo(f"{dest}: rank {rank} of {spec.tp}: {json.dumps(es.local_ranges(spec))}")
 
 
 @engram_group.command("vars")

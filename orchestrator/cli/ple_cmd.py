@@ -65,7 +65,8 @@ def write_command(checkpoint, dest, recipe, sets, verify, no_preallocate, as_jso
     Exit 0 written or kept, 1 failed (I/O, space, read-back), 2 bad input (missing shard,
     wrong width, row total different from the geometry's).
     """
-    from ..hostside.ple_write import parse_spec, write_table
+    from ..hostside.ple_spec import parse_spec
+    from ..hostside.ple_write import write_table
     spec = parse_spec(_spec(recipe, tuple(sets)), f"recipe {recipe or DEFAULT_RECIPE}")
     out = write_table(spec, checkpoint, dest, verify=verify, host=socket.gethostname(),
                       prealloc=not no_preallocate, quiet=as_json)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..outcomes import HostFailure
+from ..hostside.engram_checks import check_rank
+from ..hostside.engram_spec import LOCAL_NAME, RankMismatch
 from ..hostside.geometry import rank_ranges
 from .commands import read_argv
 from .containers import Container, parse_list
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
     from ..inventory import Host
 
 # argv[1] = Engram folder or "", argv[2] = PLE folder or "". Prints one JSON object. The Engram
-# manifest and engram-local.json (small) come back as text, for engram_stage.check_rank; the
+# manifest and engram-local.json (small) come back as text, for engram_checks.check_rank; the
 # file names are the staging stages' (hostside/engram_stage.py, hostside/ple_write.py).
 STAGED_SCRIPT = r"""
 import glob, json, os, sys
@@ -113,8 +115,7 @@ def expected_engram(dep: "Deployment", rank: int) -> dict[str, list[int]]:
 
 def engram_problem(dep: "Deployment", host: "Host", staged_doc: dict[str, Any]) -> str | None:
     """Why HOST must not be launched with its staged Engram rows (None: they are its rank's rows).
-    engram_stage.check_rank decides, reading the two files the host sent back (staged_doc)."""
-    from ..hostside.engram_stage import LOCAL_NAME, RankMismatch, check_rank
+    engram_checks.check_rank decides, reading the two files the host sent back (staged_doc)."""
     r = dep.recipe
     if not (r.engram and r.engram.placement == "nvme"):
         return None

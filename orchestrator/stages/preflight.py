@@ -217,7 +217,7 @@ def check_ram(host: str, meminfo: str, need_gb: float, pinned_table: dict[str, A
         else:
             gate = f"; {msg} (memory gate)"
     if pinned_table is not None:
-        from ..hostside.ple_write import pinned_ram_verdict
+        from ..hostside.ple_spec import pinned_ram_verdict
         ok, msg = pinned_ram_verdict(int(avail * 1e9), pinned_table, host)
         if not ok:
             return Check("ram", "failed", f"{msg} (short by {need_gb - avail:.1f} GB)" if need_gb > avail else msg)

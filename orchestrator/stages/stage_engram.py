@@ -24,8 +24,8 @@ from ..paths import PLAYBOOKS_DIR
 from ..plan import Action
 from ..runoptions import RunOptions
 from ..recipe import Recipe
-from ..hostside.engram_stage import Spec, local_ranges
-from ..hostside.engram_stage import staged_bytes as _staged_bytes
+from ..hostside.engram_spec import Spec, local_ranges
+from ..hostside.engram_spec import staged_bytes as _staged_bytes
 from .base import Stage
 from .tableop import TableJob, make_job, run_jobs, table_vars
 

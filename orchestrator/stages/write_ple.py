@@ -22,7 +22,7 @@ from ..paths import PLAYBOOKS_DIR
 from ..plan import Action
 from ..runoptions import RunOptions
 from ..recipe import Recipe
-from ..hostside.ple_write import SPEC_FORMAT, parse_spec
+from ..hostside.ple_spec import SPEC_FORMAT, parse_spec
 from .base import Stage
 from .tableop import TableJob, make_job, run_jobs, table_vars
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.hostside import ple_write
+from orchestrator.hostside import ple_spec
 from tests import synth
 from tests.conformance.engines import run_probe
 
@@ -44,7 +44,7 @@ def test_registered_and_keeps_a_verified_table(written):
 def test_anything_else_goes_to_upstreams_loader(written, spoil):
     ck, table = written
     if spoil == "no-manifest":
-        Path(str(table) + ple_write.MANIFEST_SUFFIX).unlink()
+        Path(str(table) + ple_spec.MANIFEST_SUFFIX).unlink()
     elif spoil == "touched":
         st = table.stat()
         os.utime(table, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))

@@ -18,6 +18,7 @@ import pytest
 from orchestrator.recipe import load_recipe
 from orchestrator.stages.write_ple import spec_for
 from orchestrator.hostside import ple_write as P
+from orchestrator.hostside import ple_spec
 from orchestrator.hostside.geometry import TableGeometry, total_rows
 from tests.conformance.engines import run_probe, versions
 from tests.synth import TensorPlan, expected_row, write_checkpoint
@@ -54,10 +55,10 @@ def write_config(folder: Path, g: TableGeometry, engine_config: dict) -> Path:
     return path
 
 
-def _spec(recipe: str, tp: int) -> P.PleTableSpec:
+def _spec(recipe: str, tp: int) -> ple_spec.PleTableSpec:
     doc = spec_for(load_recipe(recipe).recipe)
     doc.update(tp=tp, ranks=list(range(tp)))
-    return P.parse_spec(doc)
+    return ple_spec.parse_spec(doc)
 
 
 @pytest.mark.parametrize("recipe,tp", [(r, tp) for r in RECIPES for tp in (1, 2)])
@@ -90,7 +91,7 @@ def test_released_sglang_maps_deployctl_file_untouched(tmp_path):
     g = TableGeometry(layers=(2,), orders=(2, 3), heads_per_order=8, vocab_per_order=(97, 97),
                       row_values=width, dtype="F8_E4M3")
     eng = {"make_ngram_vocab_size_divisible_by": 128, "split_ngram_parts": shards}
-    doc = {"format": P.SPEC_FORMAT, "placement": "nvme",
+    doc = {"format": ple_spec.SPEC_FORMAT, "placement": "nvme",
            "geometry": {"layers": list(g.layers), "orders": list(g.orders),
                         "heads_per_order": g.heads_per_order, "vocab_per_order": list(g.vocab_per_order),
                         "row_values": width, "dtype": g.dtype},
@@ -98,7 +99,7 @@ def test_released_sglang_maps_deployctl_file_untouched(tmp_path):
                            ".shard_{shard}.weight",
            "shards": shards, "tp": tp, "ranks": list(range(tp)), "engine_config": eng,
            "min_host_ram_gb": 1, "recipe": {"name": "conformance", "digest": "0"}}
-    spec = P.parse_spec(doc)
+    spec = ple_spec.parse_spec(doc)
     rows = total_rows(g)
     per = -(-rows // shards)                       # an exporter's cut of the real rows
     plans = [TensorPlan(spec.shard_name(i), "F8_E4M3", max(0, min(per, rows - i * per)), width)
