@@ -170,17 +170,18 @@ def _deployment(tmp_path: Path, sets: tuple[str, ...] = ()):
 
 
 def test_plan_lists_the_chain_steps_and_contacts_nothing(tmp_path):
+    from orchestrator.runoptions import RunOptions
     from orchestrator.stages.build import plan
-    (act,), note = plan(_deployment(tmp_path))
+    (act,), note = plan(_deployment(tmp_path), RunOptions())
     assert note == "" and act.host == "n1" and act.op == "docker-build"
     assert [s["name"] for s in act.details["steps"]] == ["c-ext", "overlay1", "overlay3", "overlay4", "overlay5",
                                                           "patch"]
     assert act.details["steps"][1]["parent"] == "base" and act.details["steps"][2]["parent"] == "overlay1"
     assert "ssh://root@10.9.9.1:22" in act.api
     json.dumps(act.to_json())
-    (act,), _ = plan(_deployment(tmp_path, ("engine.chain=test-double",)))
+    (act,), _ = plan(_deployment(tmp_path, ("engine.chain=test-double",)), RunOptions())
     assert act.details["steps"][-1]["name"] == "engine-double"
-    acts, note = plan(_deployment(tmp_path, ("engine.chain=null",)))
+    acts, note = plan(_deployment(tmp_path, ("engine.chain=null",)), RunOptions())
     assert acts == [] and "engine.chain is not set" in note
 
 
