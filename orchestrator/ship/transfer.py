@@ -203,9 +203,11 @@ class ShipJob:
     timeouts: Timeouts
 
     def shown(self) -> str:
-        """The load command for people: the relay program (sent inline) named, not printed."""
+        """The load command for people, as ssh sends it (its last word is the worker's command line,
+        which ssh passes on as is), with the relay program (sent inline) named, not printed."""
         relay = shlex.quote((HOSTSIDE / "ship_relay.py").read_text())
-        return shlex.join(a.replace(relay, "<hostside/ship_relay.py>") for a in self.load_argv)
+        *ssh, remote = self.load_argv
+        return f"{shlex.join(ssh)} {remote.replace(relay, '<hostside/ship_relay.py>')}"
 
 
 def ship_job(worker: "Host", cluster: "Cluster", key_file: str | None, known_hosts: str | None,
