@@ -101,7 +101,7 @@ def test_first_sync_makes_every_worker_exact(cluster, synced):
         assert d["duration_s"] > 0 and d["copy_s"] > 0
     assert_exact(cluster, synced["repo"], synced["rev"])
     # The plan is what ran: each worker's rsync is its planned job's argv; only the whole-transfer
-    # timeout (planned for the recipe's full checkpoint) is bounded by the bytes actually sent.
+    # timeout (planned for the recipe's checkpoint_gb) is set from the bytes actually sent.
     run_dir = Path(doc["run_dir"])
     plan = json.loads((run_dir / "plan.json").read_text())
     planned = {a["host"]: a["command"] for st in plan["stages"] for a in st["actions"]}
@@ -112,7 +112,6 @@ def test_first_sync_makes_every_worker_exact(cluster, synced):
         assert want[:3] == ["timeout", "-k", "10"] and "--files-from=-" in want
         got = ran.split(" ")
         assert got[:3] == want[:3] and got[4:10] == want[4:10] and ran.endswith(want[-1]), (ran, want)
-        assert int(got[3]) <= int(want[3])
     # the worker's hash cache is in its nvme_dir, never in the HF snapshots/ folder
     snaps = worker_snap(cluster.hosts[1], synced["repo"], synced["rev"]).parent
     assert [p.name for p in snaps.iterdir()] == [synced["rev"]]
