@@ -225,13 +225,9 @@ class SSHSession:
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
         deadline = time.monotonic() + timeout
         with self.open_exec(argv, idle_timeout=timeout, env=env, keep=None) as ex:
-            if data:
-                try:
-                    ex.write(data)
-                except SSHTimeout:
-                    raise SSHTimeout(self.target.host, f"command timed out after {timeout:g}s: `{ex.cmd}`"
-                                     + _tail_note(ex._out, ex._err)) from None
             try:
+                if data:
+                    ex.write(data)
                 return ex.finish(max(deadline - time.monotonic(), 0.0))
             except SSHTimeout:
                 raise SSHTimeout(self.target.host, f"command timed out after {timeout:g}s: `{ex.cmd}`"
@@ -454,13 +450,10 @@ class RemoteExec:
         self.close_stdin()
         try:
             rc = self.read(on_line, timeout=timeout, idle_timeout=idle_timeout, cancel=cancel)
-        except SSHTimeout:
+        finally:
             self.ch.close()
-            raise
         if rc is None:
-            self.ch.close()
             raise SSHError(self.host, f"`{self.cmd}` cancelled")
-        self.ch.close()
         return Result(rc, self.stdout, self.stderr)
 
 

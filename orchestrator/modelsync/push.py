@@ -44,7 +44,7 @@ def head_manifest(dep: "Deployment", op: HostsideOp, st: Settings, log: "HostLog
     log.write(f"manifest of {head.name}:{dep.checkpoint_dir(head)}: {op.op} {' '.join(op.args)}")
     with remote.connect(head, dep.cluster, st.connect_timeout) as s:
         # The checkpoint size is unknown until listed: allow hashing the recipe's checkpoint_gb.
-        doc = remote.hostside(s, op.op, list(op.args),
+        doc = remote.hostside(s, op,
                               timeout=verify_timeout(int(dep.recipe.model.checkpoint_gb * 1e9)))
     m = Manifest.from_json(doc)
     log.write(f"{m.describe()}, digest {m.digest}, hashed {gb(m.hashed_bytes)} in {m.seconds:.1f}s")
@@ -54,7 +54,7 @@ def head_manifest(dep: "Deployment", op: HostsideOp, st: Settings, log: "HostLog
 def verify(dep: "Deployment", host: "Host", op: HostsideOp, m: Manifest, st: Settings, log: "HostLog") -> Verdict:
     root = dep.checkpoint_dir(host)
     with remote.connect(host, dep.cluster, st.connect_timeout) as s:
-        v = Verdict.from_json(remote.hostside(s, op.op, list(op.args), data=m.to_stdin(),
+        v = Verdict.from_json(remote.hostside(s, op, data=m.to_stdin(),
                                               timeout=verify_timeout(m.total_bytes)))
     log.write(f"verify {host.name}:{root}: {v.ok} match, to send: {v.problems()}, {len(v.extra)} extra, "
               f"hashed {gb(v.hashed_bytes)} in {v.seconds:.1f}s; {gb(v.avail_bytes)} free at {v.avail_path}")

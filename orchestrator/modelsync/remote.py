@@ -1,6 +1,6 @@
 """Running sync-model's pieces on hosts, through deployctl's SSH executor (executors/ssh.py).
 
-- `hostside(session, op, args, data)`: runs hostside.py with the host's python3. Nothing is
+- `hostside(session, op, data)`: runs one planned op (jobs.HostsideOp) of hostside/modelsync.py with the host's python3. Nothing is
   installed on the host: `python3 -c BOOTSTRAP N ...` reads the first N bytes of stdin as the
   script, the rest of stdin is the operation's input.
 - `stream(session, argv, stdin, timeout, on_line)`: a long command (rsync) whose output lines are
@@ -18,6 +18,7 @@ from ..hostside.modelsync import BOOTSTRAP
 if TYPE_CHECKING:
     from ..executors.ssh import Result, SSHSession
     from ..inventory import Cluster, Host
+    from .jobs import HostsideOp
 
 HOSTSIDE = Path(__file__).resolve().parent.parent / "hostside" / "modelsync.py"
 KEEP_TAIL = 256 * 1024          # bytes of a streamed command's output kept for stats and errors
@@ -32,14 +33,13 @@ def connect(host: "Host", cluster: "Cluster", connect_timeout: float = 10.0) -> 
         raise HostFailure(str(e)) from None
 
 
-def hostside(session: "SSHSession", op: str, args: list[str], data: bytes = b"",
-             timeout: float = 600.0) -> dict:
-    """Run one hostside.py operation; its JSON result, or HostFailure with its error line."""
+def hostside(session: "SSHSession", job: "HostsideOp", data: bytes = b"", timeout: float = 600.0) -> dict:
+    """Run one planned hostside/modelsync.py operation; its JSON result, or HostFailure with its error line."""
     from ..executors.ssh import SSHError
     script = HOSTSIDE.read_bytes()
-    host = session.target.host
+    host, op = session.target.host, job.op
     try:
-        r: Result = session.run(["python3", "-c", BOOTSTRAP, str(len(script)), op, *args],
+        r: Result = session.run(["python3", "-c", BOOTSTRAP, str(len(script)), op, *job.args],
                                 timeout=timeout, stdin=script + data)
     except SSHError as e:
         raise HostFailure(_short(str(e), host, op)) from None

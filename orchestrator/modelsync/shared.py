@@ -111,7 +111,7 @@ def _unmark(dep: "Deployment", st: Settings) -> None:
     head = dep.cluster.head_host
     try:
         with remote.connect(head, dep.cluster, st.connect_timeout) as s:
-            op = HostsideOp("unmark", ("--root", dep.checkpoint_dir(head), "--marker", MARKER))
-            remote.hostside(s, op.op, list(op.args), timeout=60)
+            remote.hostside(s, HostsideOp("unmark", ("--root", dep.checkpoint_dir(head), "--marker", MARKER)),
+                            timeout=60)
     except Exception:  # noqa: BLE001 - a leftover marker is harmless (hidden, never listed)
         pass

@@ -7,7 +7,7 @@ The logic lives in orchestrator/modelsync/ (jobs.py, push.py, shared.py; hostsid
 from __future__ import annotations
 
 from ..modelsync import jobs, push, shared
-from ..modelsync.settings import Settings, revision_note
+from ..modelsync.settings import Settings, cache_file, revision_note
 from ..plan import Action
 from ..runoptions import RunOptions
 from .base import Stage
@@ -47,7 +47,7 @@ def plan(dep, options: RunOptions):
     hj = jobs.head_job(dep, st)
     acts = [Action(NAME, head.name, "manifest",
                    f"manifest of {m.repo} {pinned} at {head.name}:{src}: path, size, sha256 per file (links followed; "
-                   f"hashes cached by size+mtime in {hj.check.args[3]})",
+                   f"hashes cached by size+mtime in {cache_file(head.nvme_dir, src)})",
                    command=hj.check.shown(head), details=details, job=hj)]
     for w in c.workers:
         dst = dep.checkpoint_dir(w)
