@@ -1,9 +1,10 @@
 """A deployment: one inventory plus the recipe it runs, cross-checked."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from .apikey import ApiKey, load_api_key
 from .errors import InputError
 from .inventory import Cluster, Host, load_inventory
 from .recipe import LoadedRecipe, Recipe, load_recipe
@@ -13,6 +14,7 @@ from .recipe import LoadedRecipe, Recipe, load_recipe
 class Deployment:
     cluster: Cluster
     loaded: LoadedRecipe
+    api_key: ApiKey | None = field(default=None, repr=False)   # the serving key the inventory points at
 
     @property
     def recipe(self) -> Recipe:
@@ -70,7 +72,7 @@ def load_deployment(inventory: str | Path | None, recipe: str | None = None,
         ref = str(p if p.is_absolute() else cluster.file.parent / p)
     loaded = load_recipe(ref, tuple(cluster.recipe_overrides) + tuple(sets))
     check_fit(cluster, loaded)
-    return Deployment(cluster, loaded)
+    return Deployment(cluster, loaded, load_api_key(cluster))
 
 
 def check_fit(cluster: Cluster, loaded: LoadedRecipe) -> None:

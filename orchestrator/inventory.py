@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ CLUSTER_KEYS = {
     "host_key_checking": "check SSH host keys (default true; false is an explicit opt-out)",
     "recipe_overrides": "mapping of recipe key.path: value applied before --set",
     "run_dir": "where run records go (default ./runs)",
+    "api_key_file": "file on the controller holding the serving API key (relative: to this inventory); "
+                    "the engines require it, every probe sends it, it is never shown",
+    "api_key_env": "or: the name of an environment variable on the controller holding the API key",
 }
 DEFAULT_INVENTORY = INVENTORIES_DIR / "local4.yml"
 
@@ -83,6 +87,8 @@ class Cluster:
     host_key_checking: bool = True
     recipe_overrides: tuple[str, ...] = ()
     run_dir: str = "runs"
+    api_key_file: str | None = None      # where the serving API key is (orchestrator/apikey.py) ...
+    api_key_env: str | None = None       # ... or the environment variable holding it
 
     @property
     def head_host(self) -> Host:
@@ -185,6 +191,16 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     hkc = cvars.get("host_key_checking", True)
     if not isinstance(hkc, bool):
         raise err(f"expected true or false, got {hkc!r}", "all.vars.host_key_checking")
+    key_file, key_env = cvars.get("api_key_file"), cvars.get("api_key_env")
+    if key_file is not None and key_env is not None:
+        raise err("set api_key_file or api_key_env, not both", "all.vars.api_key_env")
+    if key_file is not None and (not isinstance(key_file, str) or not key_file.strip()):
+        raise err(f"expected a file path, got {key_file!r}", "all.vars.api_key_file")
+    if key_env is not None and not (isinstance(key_env, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env)):
+        raise err(f"expected an environment variable name, got {key_env!r}", "all.vars.api_key_env")
+    if key_file is not None:
+        kf = Path(_expand(key_file) or "")
+        key_file = str(kf if kf.is_absolute() else p.parent / kf)
     return Cluster(
         name=str(cvars.get("deployment") or p.stem),
         file=p,
@@ -196,6 +212,8 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         host_key_checking=hkc,
         recipe_overrides=tuple(f"{k}={_yaml_scalar(v)}" for k, v in overrides.items()),
         run_dir=str(cvars.get("run_dir", "runs")),
+        api_key_file=key_file,
+        api_key_env=key_env,
     )
 
 

@@ -21,12 +21,22 @@ def is_secret_name(name: str) -> bool:
     return bool(_SECRET_NAME.search(name))
 
 
+_REGISTERED: set[str] = set()      # secrets read from files (the serving API key, orchestrator/apikey.py)
+
+
+def register_secret(value: str) -> None:
+    """A secret deployctl read from somewhere other than the environment: masked like the others."""
+    if value:
+        _REGISTERED.add(value)
+
+
 def secret_values(env: dict[str, str] | None = None) -> list[str]:
-    """Values of secret-named variables in `env` (default: this process's environment)."""
+    """Values of secret-named variables in `env` (default: this process's environment), and the
+    registered secrets."""
     env = os.environ if env is None else env
     # Short values would mask ordinary words; real tokens are long.
-    return sorted({v for k, v in env.items() if is_secret_name(k) and v and len(v) >= 6},
-                  key=len, reverse=True)
+    found = {v for k, v in env.items() if is_secret_name(k) and v and len(v) >= 6}
+    return sorted(found | _REGISTERED, key=len, reverse=True)
 
 
 _ASSIGNMENT = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)=([^\s'\"]+)")

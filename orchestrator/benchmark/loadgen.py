@@ -41,6 +41,7 @@ class LoadSpec:
     rounds: int = 10
     timeout_s: float = 300.0       # per request, whole stream
     connect_timeout_s: float = 10.0
+    api_key: str | None = field(default=None, repr=False)   # sent as a Bearer token; never in a report
 
 
 @dataclass
@@ -179,7 +180,11 @@ async def _stream(client: httpx.AsyncClient, spec: LoadSpec, salt: int, res: Req
 def _client(spec: LoadSpec, concurrency: int) -> httpx.AsyncClient:
     timeout = httpx.Timeout(spec.timeout_s, connect=min(spec.connect_timeout_s, spec.timeout_s))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, headers=_auth(spec.api_key))
+
+
+def _auth(api_key: str | None) -> dict[str, str] | None:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else None
 
 
 async def run_level(spec: LoadSpec, concurrency: int, rounds: int, salt0: int = 0) -> LevelRun:
@@ -194,9 +199,9 @@ async def run_level(spec: LoadSpec, concurrency: int, rounds: int, salt0: int = 
     return LevelRun(concurrency, wall, [r for rs in per_worker for r in rs])
 
 
-async def list_models(url: str, timeout_s: float = 10.0) -> list[str]:
+async def list_models(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> list[str]:
     """Served model names from GET /v1/models (raises httpx.HTTPError when the API does not answer)."""
-    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=_auth(api_key)) as client:
         resp = await client.get(f"{url.rstrip('/')}/v1/models")
         resp.raise_for_status()
         return [m.get("id", "") for m in resp.json().get("data", []) if isinstance(m, dict)]

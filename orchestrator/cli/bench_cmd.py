@@ -80,14 +80,21 @@ def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, concurr
     if not base.startswith(("http://", "https://")):
         raise InputError(f"expected an http:// or https:// URL, got {base!r}", key="--url")
     spec = LoadSpec(url=base, model=r.engine.served_name, input_tokens=bench.input_tokens,
-                    max_tokens=bench.max_tokens, rounds=bench.rounds, timeout_s=timeout_s)
+                    max_tokens=bench.max_tokens, rounds=bench.rounds, timeout_s=timeout_s,
+                    api_key=dep.api_key.value if dep.api_key else None)
 
     def say(msg: str) -> None:
         if not quiet:
             STDERR.print(f"[dim]{msg}[/dim]", markup=True, highlight=False)
 
     try:
-        served = asyncio.run(list_models(base, timeout_s=min(10.0, timeout_s)))
+        served = asyncio.run(list_models(base, timeout_s=min(10.0, timeout_s), api_key=spec.api_key))
+    except httpx.HTTPStatusError as e:
+        if e.response.status_code in (401, 403):
+            who = dep.api_key.describe() if dep.api_key else "no key (set api_key_file or api_key_env in the inventory)"
+            raise StageFailed(f"the API at {base} rejects the key (HTTP {e.response.status_code} on GET /v1/models); "
+                              f"deployctl sent {who}") from None
+        raise StageFailed(f"the API at {base} answers GET /v1/models with HTTP {e.response.status_code}") from None
     except (httpx.HTTPError, ValueError) as e:
         raise StageFailed(f"the API at {base} does not answer GET /v1/models ({type(e).__name__}: {e}); "
                           f"is the deployment up (deployctl up / launch)?") from None

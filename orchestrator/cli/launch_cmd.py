@@ -91,6 +91,8 @@ def _status_table(doc: dict[str, Any]) -> Table:
             state = f"[{color}]{c['status']}[/{color}]" + (f" (exit {c['exit_code']})" if c["status"] != "running"
                                                            else "") + (f" +{len(cs) - 1} more" if len(cs) > 1 else "")
             img, up, rs = c["image_id"][7:19], fmt_duration(c["uptime_s"]), str(c["restart_count"])
+            if c.get("api_key_id"):
+                state += f", key id {c['api_key_id']}"
         t.add_row(name, str(row["rank"]), state, img, up, rs, escape(staged_summary(row)))
     return t
 
@@ -113,8 +115,10 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet):
         out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
         out.print(_status_table(doc))
         a = doc["api"]
-        out.print(f"API {a['url']}: " + ("[green]healthy[/green]" if a["healthy"] else "[red]not answering[/red]")
-                  + f" ({escape(a['detail'])})")
+        verdict = ("[green]healthy[/green]" if a["healthy"] else
+                   "[yellow]up, but it rejects the key[/yellow]" if a.get("key_rejected") else "[red]not answering[/red]")
+        key = f"; API key id {a['api_key_id']}" if a.get("api_key_id") else ""
+        out.print(f"API {a['url']}: {verdict} ({escape(a['detail'])}){key}")
     sys.exit(0 if all(r.get("reachable") for r in doc["hosts"]) else 1)
 
 

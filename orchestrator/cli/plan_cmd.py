@@ -36,12 +36,16 @@ def plan_command(inventory, recipe, sets, as_json, verbose, quiet, only, skip, c
     outcome = None
     if not as_json:
         print_plan(plan, verbose=verbose)
+    rotation = None
     if check and sizing["fits"]:
         outcome = _preflight(dep, as_json, verbose, quiet)
+        if outcome.exit_code == 0:     # the hosts answer: ask their engines which key they run with
+            rotation = _key_rotation(dep, as_json)
     if as_json:
         doc = plan.to_json()
         if outcome is not None:
             doc["preflight"] = outcome.to_json()
+            doc["api_key_rotation"] = rotation
         emit_json(doc)
     if not sizing["fits"]:
         from ..sizing import refusal
@@ -71,6 +75,16 @@ def _preflight(dep, as_json: bool, verbose: int, quiet: bool):
         return run(build_plan(dep, only=("preflight",)), ctx, "plan --check")
     finally:
         ctx.close()
+
+
+def _key_rotation(dep, as_json: bool) -> str | None:
+    """Whether launch will relaunch the engines for a changed API key (read from the running engines'
+    key-id labels; names key ids, never keys)."""
+    from ..launch.lifecycle import key_rotation
+    change = key_rotation(dep)
+    if change and not as_json:
+        STDERR.print(f"launch: {change}", markup=False, highlight=False, soft_wrap=True)
+    return change
 
 
 def register(cli: click.Group) -> None:

@@ -2,6 +2,8 @@
 GET /health (200), GET /v1/models (lists the served name), then a real chat completion.
 
 Every request has a timeout; proxies from the environment are ignored (the head is a cluster address).
+With an API key (orchestrator/apikey.py) every request sends `Authorization: Bearer <key>`; an HTTP 401
+or 403 is reported as the API rejecting the key (`ApiCheck.rejected`), never as an unhealthy engine.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import time
 from dataclasses import dataclass
 
 import httpx
+
+from ..apikey import ApiKey
 
 QUICK_TIMEOUT_S = 10.0       # /health and /v1/models answer at once when the engine is up
 
@@ -24,16 +28,30 @@ class ApiCheck:
     step: str                # the step reached: health | models | chat | done
     detail: str
     fatal: bool = False      # the engine answers but can never pass (e.g. wrong served name)
+    rejected: bool = False   # HTTP 401/403: the engine is up and refuses deployctl's key (or its lack of one)
+
+
+def _rejected(step: str, what: str, r: httpx.Response, key: ApiKey | None) -> ApiCheck:
+    if key is None:
+        why = ("the API requires a key and deployctl has none: set api_key_file or api_key_env in the "
+               "inventory")
+    else:
+        why = (f"the API rejects the key ({key.describe()}): the engines run with another key; fix the "
+               "inventory's key, or relaunch (`deployctl launch`) to give them this one")
+    return ApiCheck(False, step, f"{why} (HTTP {r.status_code} on {what})", rejected=True)
 
 
 def check(client: httpx.Client, base: str, served: str, prompt: str | None, max_tokens: int,
-          request_timeout: float) -> ApiCheck:
-    """One pass over the checks; stops at the first that does not pass. PROMPT None: no completion."""
+          request_timeout: float, key: ApiKey | None = None) -> ApiCheck:
+    """One pass over the checks; stops at the first that does not pass. PROMPT None: no completion.
+    CLIENT sends the key (http_client(key)); KEY only words the message when the API refuses it."""
     quick = min(QUICK_TIMEOUT_S, request_timeout)
     try:
         r = client.get(f"{base}/health", timeout=quick)
     except httpx.HTTPError as e:
         return ApiCheck(False, "health", f"GET /health: {_why(e)}")
+    if r.status_code in (401, 403):
+        return _rejected("health", "GET /health", r, key)
     if r.status_code != 200:
         return ApiCheck(False, "health", f"GET /health: HTTP {r.status_code} {r.text[:200].strip()}")
     try:
@@ -41,6 +59,8 @@ def check(client: httpx.Client, base: str, served: str, prompt: str | None, max_
         names = [m.get("id") for m in r.json().get("data", [])] if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError, AttributeError) as e:
         return ApiCheck(False, "models", f"GET /v1/models: {_why(e)}")
+    if r.status_code in (401, 403):
+        return _rejected("models", "GET /v1/models", r, key)
     if names is None:
         return ApiCheck(False, "models", f"GET /v1/models: HTTP {r.status_code} {r.text[:200].strip()}")
     if served not in names:
@@ -55,6 +75,8 @@ def check(client: httpx.Client, base: str, served: str, prompt: str | None, max_
         doc = r.json()
     except (httpx.HTTPError, ValueError) as e:
         return ApiCheck(False, "chat", f"POST /v1/chat/completions: {_why(e)}")
+    if r.status_code in (401, 403):
+        return _rejected("chat", "POST /v1/chat/completions", r, key)
     if r.status_code != 200:
         msg = (doc.get("error") or {}).get("message") if isinstance(doc, dict) else None
         return ApiCheck(False, "chat", f"POST /v1/chat/completions: HTTP {r.status_code} {msg or r.text[:200]}")
@@ -90,5 +112,6 @@ def progress_line(lines: list[str]) -> str:
     return lines[-1].strip()[-200:] if lines else ""
 
 
-def http_client() -> httpx.Client:
-    return httpx.Client(trust_env=False, follow_redirects=False)
+def http_client(key: ApiKey | None = None) -> httpx.Client:
+    """A client for the deployment's API; with KEY every request carries `Authorization: Bearer`."""
+    return httpx.Client(trust_env=False, follow_redirects=False, headers=key.headers if key else None)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
+from ..apikey import LABEL as API_KEY_LABEL
 from ..executors.docker_cli import docker_argv
 from ..outcomes import HostFailure
 from .commands import list_argv, logs_argv
@@ -58,7 +59,8 @@ class Container:
         return {"id": self.id, "name": self.name, "status": self.status, "exit_code": self.exit_code,
                 "restart_count": self.restart_count, "image_id": self.image_id, "spec": self.spec,
                 "uptime_s": None if self.uptime_s is None else round(self.uptime_s, 1),
-                "rank": self.labels.get("deployctl.rank"), "error": self.error}
+                "rank": self.labels.get("deployctl.rank"), "error": self.error,
+                "api_key_id": self.labels.get(API_KEY_LABEL)}
 
 
 def fmt_duration(s: float | None) -> str:
@@ -187,6 +189,14 @@ def env_file(env: dict[str, str]) -> str:
         if "\n" in v:
             raise HostFailure(f"engine.env.{k}: a value with a newline cannot be passed to docker")
     return "".join(f"{k}={v}\n" for k, v in env.items())
+
+
+def write_secret_file(sh: HostShell, path: str, text: str, timeout: float = 30.0) -> None:
+    """TEXT into PATH on the host, mode 0600, atomically; the text goes on stdin (never argv or a log)."""
+    script = 'umask 077 && mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv -f "$1.tmp" "$1"'
+    r = sh.run(["sh", "-c", script, "sh", path], timeout=timeout, stdin=text)
+    if r.rc != 0:
+        raise HostFailure(f"cannot write the API key file {path}: {(r.stderr or r.stdout).strip()[-300:]}", rc=r.rc)
 
 
 def start(sh: HostShell, spec: ContainerSpec, expanded_env: dict[str, str], timeout: float = 180.0) -> str:

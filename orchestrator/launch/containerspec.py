@@ -7,10 +7,12 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import PurePosixPath
 from typing import Any
 
 import jinja2
 
+from .. import apikey
 from ..deployment import Deployment
 from ..errors import InputError
 from ..inventory import Host
@@ -33,11 +35,13 @@ RESERVED = {
              "host": "(always 0.0.0.0)", "tensor-parallel-size": "parallelism.tensor_parallel",
              "nnodes": "parallelism.nodes", "node-rank": "the inventory's ranks",
              "master-addr": "the head's fabric address", "master-port": "engine.master_port",
-             "headless": "(ranks > 0)"},
+             "headless": "(ranks > 0)", "api-key": "the inventory's api_key_file or api_key_env (never argv)"},
     "sglang": {"served-model-name": "engine.served_name", "port": "engine.port (or api_port)",
                "host": "(always 0.0.0.0)", "tp-size": "parallelism.tensor_parallel",
                "model-path": "model / engine.model", "ple-offload-backend": "ple.placement",
-               "ple-offload-dir": "ple.placement and the host's nvme_dir"},
+               "ple-offload-dir": "ple.placement and the host's nvme_dir",
+               "api-key": "the inventory's api_key_file or api_key_env (never argv)",
+               "config": "(deployctl passes the API key through SGLang's --config file)"},
 }
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -59,6 +63,8 @@ class ContainerSpec:
     options: dict[str, Any] = field(default_factory=dict)   # docker run resource options: memory, memory-swap
     start: dict[str, Any] = field(default_factory=dict)     # place in the start order (start_sequence); not in the digest
     master_slots: tuple[tuple[int, str], ...] = ()          # (argv index, element with MASTER): bind_fabric re-fills them
+    api_key_id: str = ""                  # apikey.ApiKey.key_id (in the digest: a new key relaunches); the key is never here
+    secret_files: tuple[tuple[str, str], ...] = ()          # (host path, what) launch writes before starting: SGLang's key file
 
     @property
     def digest(self) -> str:
@@ -66,6 +72,8 @@ class ContainerSpec:
         doc = {"image": self.image, "argv": self.argv, "env": self.env, "mounts": self.mounts,
                "shm": self.shm_size, "gpus": self.gpus, "rdma": self.rdma_devices,
                "options": self.options}
+        if self.api_key_id:
+            doc["api_key_id"] = self.api_key_id
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def docker_run_argv(self) -> list[str]:
@@ -97,7 +105,7 @@ class ContainerSpec:
                 "mounts": [list(m) for m in self.mounts], "labels": self.labels,
                 "shm_size": self.shm_size, "gpus": self.gpus, "rdma_devices": self.rdma_devices,
                 "digest": self.digest, "fabric": self.fabric_note, "options": self.options,
-                "start": self.start,
+                "start": self.start, "api_key_id": self.api_key_id,
                 "docker_run": self.docker_run_argv()}
 
 
@@ -164,6 +172,7 @@ def _engine_argv(dep: Deployment, host: Host, master_addr: str) -> tuple[tuple[s
         "master_addr": MASTER, "master_port": e.master_port, "args": _check_args(dep),
         "ple_backend": {"nvme": "file", "pinned": "pinned"}.get(ple.placement) if ple else None,
         "ple_dir": PLE_MOUNT if ple and ple.placement == "nvme" else None,
+        "api_key_config": apikey.SGLANG_CONFIG if dep.api_key is not None and e.kind == "sglang" else None,
     }
     text = _env().get_template(f"{e.kind}.argv.j2").render(**ctx)
     raw = [line.strip() for line in text.splitlines() if line.strip()]
@@ -222,17 +231,33 @@ def planned_spec(dep: Deployment, host: Host) -> ContainerSpec:
         mounts.append((dep.ple_dir(host), PLE_MOUNT, "rw"))
     if e.cache_dir:      # kernel/compile/Hub caches on the host: they survive container restarts
         mounts.append((e.cache_dir, e.cache_mount, "rw"))
+    secret_files: tuple[tuple[str, str], ...] = ()
+    if dep.api_key is not None:     # orchestrator/apikey.py: how each engine gets the key without argv
+        if e.kind == "vllm":
+            env[apikey.VLLM_ENV] = "${" + apikey.ENV_NAME + "}"
+        else:
+            path = api_key_file(host, dep.name)
+            mounts.append((path, apikey.SGLANG_CONFIG, "ro"))
+            secret_files = ((path, "sglang-config"),)
     options = {k: v for k, v in (("memory", e.memory_limit), ("memory-swap", e.memory_swap)) if v}
     labels = {LABEL: dep.name, "deployctl.rank": str(host.rank), "deployctl.recipe": r.name,
               "deployctl.role": "head" if host.name == head.name else "worker"}
+    key_id = dep.api_key.key_id if dep.api_key is not None else ""
+    if key_id:
+        labels[apikey.LABEL] = key_id
     argv, slots = _engine_argv(dep, host, master)
     spec = ContainerSpec(
         host=host.name, rank=host.rank, name=e.container_name or f"deployctl-{dep.name}",
         image=e.image, argv=argv, env=env, mounts=tuple(mounts),
         labels=labels, shm_size=e.shm_size, gpus=host.gpus > 0 and host.expect_gpus,
         rdma_devices=False, fabric_note=note, options=options,
-        start=start_step(dep, host.name), master_slots=slots)
+        start=start_step(dep, host.name), master_slots=slots, api_key_id=key_id, secret_files=secret_files)
     return replace(spec, labels={**labels, SPEC_LABEL: spec.digest})
+
+
+def api_key_file(host: Host, deployment: str) -> str:
+    """Where launch writes SGLang's --config file holding the key on HOST (mode 0600, mounted read-only)."""
+    return str(PurePosixPath(host.nvme_dir) / ".deployctl" / "secrets" / f"{deployment}-sglang-api-key.yaml")
 
 
 def start_sequence(dep: Deployment) -> list[tuple[str, ...]]:

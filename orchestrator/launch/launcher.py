@@ -24,13 +24,14 @@ from typing import Any, Callable
 
 from rich.markup import escape
 
+from .. import apikey
 from ..deployment import Deployment
 from ..errors import DeployctlError, InputError
 from ..outcomes import HostFailure, HostResult
 from ..plan import Action
 from ..runrecord import HostLog, RunContext
 from . import api, probe
-from .containers import Container, memory_gate, remove_all, run_argv, start
+from .containers import Container, memory_gate, remove_all, run_argv, start, write_secret_file
 from .fabric import Fabric, choose_fabric
 from .lifecycle import remove_everywhere
 from ..executors.shells import Shells, run_shells
@@ -43,6 +44,8 @@ STAGE_NAME = "launch"
 
 def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostResult]:
     environ = dict(os.environ)
+    if dep.api_key is not None:      # ${DEPLOYCTL_API_KEY} in the engine env (orchestrator/apikey.py)
+        environ[apikey.ENV_NAME] = dep.api_key.value
     # A ${VAR} the operator has not set is bad input: say so before any host is touched.
     expand_env(dep.recipe.engine.env, environ, str(dep.loaded.path))
     names = [a.host for a in actions]
@@ -140,12 +143,15 @@ class _Launch:
             if not c.running:
                 return f"{n}: {c.describe()}"
             if c.spec != specs[n].digest:
-                return f"{n} runs spec {c.spec or '(none)'}, the new spec is {specs[n].digest}"
+                was, now = c.labels.get(apikey.LABEL, ""), specs[n].api_key_id
+                key = (f" (the API key changed: id {was or 'none'} -> {now or 'none'})" if was != now else "")
+                return f"{n} runs spec {c.spec or '(none)'}, the new spec is {specs[n].digest}{key}"
             if c.image_id != info[n].image_id:
                 return f"{n} runs image {c.image_id[7:19]}, {self.image} is now {(info[n].image_id or '')[7:19]}"
         r = self.dep.recipe
-        with api.http_client() as client:
-            chk = api.check(client, self.dep.api_url, r.engine.served_name, None, 1, r.health.request_timeout_s)
+        with api.http_client(self.dep.api_key) as client:
+            chk = api.check(client, self.dep.api_url, r.engine.served_name, None, 1, r.health.request_timeout_s,
+                            self.dep.api_key)
         return None if chk.ok else f"the API does not answer ({chk.detail})"
 
     # -- the whole stage ---------------------------------------------------------------------
@@ -249,6 +255,9 @@ class _Launch:
         if self.ctx.cancel.is_set():
             raise HostFailure("cancelled (Ctrl-C) before starting")
         t0 = time.monotonic()
+        for path, _what in spec.secret_files:     # SGLang's key file (orchestrator/apikey.py), before docker run
+            assert self.dep.api_key is not None
+            write_secret_file(self.shells[name], path, apikey.sglang_config(self.dep.api_key))
         cid = start(self.shells[name], spec, env)
         self.logs[name].write(f"started {spec.name} {cid[:12]} in {time.monotonic() - t0:.1f}s")
         return cid

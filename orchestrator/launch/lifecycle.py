@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from .. import apikey
 from ..executors.ssh import SSHError
 from ..outcomes import HostFailure, HostResult
 from ..secrets import mask_text
@@ -90,12 +91,23 @@ def cluster_status(dep: "Deployment") -> dict[str, Any]:
     with Shells(dep.cluster, CLEANUP_CONNECT_S) as shells:
         rows = parallel(names, lambda n: host_status(dep, shells[n]))
     r = dep.recipe
-    with api.http_client() as client:
-        chk = api.check(client, dep.api_url, r.engine.served_name, None, 1, r.health.request_timeout_s)
+    with api.http_client(dep.api_key) as client:
+        chk = api.check(client, dep.api_url, r.engine.served_name, None, 1, r.health.request_timeout_s, dep.api_key)
     return {"deployment": dep.name, "recipe": r.name, "image": r.engine.image,
-            "api": {"url": dep.api_url, "healthy": chk.ok, "detail": chk.detail},
+            "api": {"url": dep.api_url, "healthy": chk.ok, "detail": chk.detail, "key_rejected": chk.rejected,
+                    "api_key_id": dep.api_key.key_id if dep.api_key else None},
             "hosts": [rows[n] if isinstance(rows[n], dict) else
                       {"host": n, "reachable": False, "error": str(rows[n])} for n in names]}
+
+
+def key_rotation(dep: "Deployment") -> str | None:
+    """What the next launch does about the API key, read from the key-id label of each host's running
+    engine (apikey.rotation); None when nothing runs or every engine has this key. Read-only."""
+    names = [h.name for h in dep.cluster.hosts]
+    with Shells(dep.cluster, CLEANUP_CONNECT_S) as shells:
+        found = parallel(names, lambda n: list_containers(shells[n], dep.name))
+    running = {n: cs[-1].labels.get(apikey.LABEL) for n, cs in found.ok.items() if cs and cs[-1].running}
+    return apikey.rotation(running, dep.api_key) if running else None
 
 
 def staged_summary(row: dict[str, Any]) -> str:

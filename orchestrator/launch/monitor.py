@@ -37,7 +37,7 @@ def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostR
     names = [a.host for a in actions]
     logs = {n: ctx.host_log(n, STAGE_NAME) for n in names}
     try:
-        with api.http_client() as client:
+        with api.http_client(dep.api_key) as client:
             return _Watch(dep, ctx, run_shells(dep.cluster, ctx.state), client, names, logs).run()
     finally:
         for log in logs.values():
@@ -128,12 +128,14 @@ class _Watch:
             now = time.monotonic()
             if answered_at is None:
                 last = api.check(self.client, dep.api_url, e.served_name, h.prompt, h.max_tokens,
-                                 h.request_timeout_s)
+                                 h.request_timeout_s, dep.api_key)
                 now = time.monotonic()
                 if last.ok:
                     answered_at, answer = now, last.detail
                     self.logs[self.head].write(f"API answered after {now - t0:.1f}s: {answer}")
                     ctx.say(f"  {self.head}: API answered after {now - t0:.0f}s: {escape(answer)}")
+                elif last.rejected:
+                    return self.rejected(last)
                 elif last.fatal:
                     return self.fail({self.head: last.detail}, f"check stopped: the API on {self.head} is wrong")
                 else:
@@ -153,6 +155,15 @@ class _Watch:
                 if long_enough and waited:
                     return self.ok(answer, now - t0)
             ctx.cancel.wait(h.poll_interval_s)
+
+    def rejected(self, last: api.ApiCheck) -> list[HostResult]:
+        """The engine is up and refuses the key: a failure of the key, not of the engines. The
+        deployment keeps running (no failure cleanup removes it) and the run says so."""
+        self.ctx.state.failure_cleanups.clear()
+        self.ctx.say(f"  [yellow]the engines are left running:[/yellow] {escape(last.detail)}")
+        return [self.result(n, "failed", last.detail) if n == self.head else
+                self.result(n, "skipped", "container running; left as it is (the API rejects the key)")
+                for n in self.names]
 
     def timeout(self, last: api.ApiCheck, waited: float) -> list[HostResult]:
         lines = parallel(self.names, lambda n: logs_tail(self.shells[n], self.current[n].id, 20))

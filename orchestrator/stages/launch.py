@@ -15,7 +15,8 @@ def plan(dep, options: RunOptions):
         spec = planned_spec(dep, h)
         role = "head" if h.name == dep.cluster.head else "worker"
         acts.append(Action("launch", h.name, "docker-run",
-                           f"start {e.kind} rank {h.rank} ({role}) from {e.image} on {h.name}",
+                           f"start {e.kind} rank {h.rank} ({role}) from {e.image} on {h.name}"
+                           + (f"; {dep.api_key.describe()}, required on /v1" if dep.api_key else ""),
                            command=tuple(docker_argv(h, *spec.docker_run_argv()[1:])),
                            details={"container": spec.to_json()}, job=spec))
     return acts, ""

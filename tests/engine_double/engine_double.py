@@ -43,6 +43,8 @@ Exit codes: 0 stopped by SIGTERM/SIGINT, 1 runtime failure (rendezvous, bind, lo
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import mmap
 import os
@@ -87,6 +89,15 @@ BOOL_FLAGS = {
                "allow-auto-truncate", "skip-tokenizer-init", "ple-offload-embedding"},
 }
 NARGS_PLUS = {"served-model-name"}
+# API key checks as the released engines make them:
+# vLLM 0.33.0 vllm/entrypoints/serve/middleware/authenticate.py AuthenticationMiddleware: only paths under
+# these prefixes need `Authorization: Bearer <key>` (so /health stays open), 401 {"error": "Unauthorized"};
+# the keys are --api-key, else VLLM_API_KEY (middleware/register.py).
+VLLM_GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+# SGLang 0.5.23 sglang/srt/utils/auth.py decide_request_auth (normal endpoints): every path but
+# /health*, /ready*, /metrics* needs the key when one is configured; the key is --api-key, which its
+# --config YAML file may give (server_args_config_parser.py: CLI > config > defaults).
+SGLANG_OPEN_PREFIX = ("/health", "/ready", "/metrics")
 ARGV_SECRET_FLAGS = {"api-key", "hf-token", "token", "admin-api-key"}
 ENV_SECRET_MARKERS = ("TOKEN", "SECRET", "KEY", "PASSWORD")
 FAIL_MODES = ("crash-at-start", "never-ready", "crash-later", "slow", "error-mid")
@@ -231,6 +242,45 @@ def _validate(engine: str, flags: dict) -> None:
             raise UsageError(f"argument --{key}: invalid choice: {value!r} (choose from {choices})")
 
 
+def _read_sglang_config(path: str) -> dict:
+    """The flags SGLang's --config YAML gives (`key: value` lines; the values deployctl writes are JSON
+    strings, which YAML reads the same way). An unreadable file fails like SGLang's parser (exit 2)."""
+    out: dict = {}
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise UsageError(f"argument --config: cannot read {path}: {e}") from None
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        k, sep, v = line.partition(":")
+        if not sep:
+            raise UsageError(f"argument --config: {path} is not a YAML mapping")
+        v = v.strip()
+        try:
+            v = json.loads(v) if v.startswith('"') else v
+        except ValueError:
+            raise UsageError(f"argument --config: bad value for {k.strip()} in {path}") from None
+        out[_norm(k.strip())] = v
+    return out
+
+
+def authorized(engine: str, keys: list[str], method: str, path: str, header: str | None) -> bool:
+    """Whether the released engine would serve this request (see VLLM_GUARDED_PREFIX, SGLANG_OPEN_PREFIX)."""
+    if not keys or method == "OPTIONS":
+        return True
+    if engine == "vllm" and not path.startswith(VLLM_GUARDED_PREFIX):
+        return True
+    if engine == "sglang" and path.startswith(SGLANG_OPEN_PREFIX):
+        return True
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "bearer" or not header:
+        return False
+    want = [hashlib.sha256(k.encode()).digest() for k in keys]
+    got = hashlib.sha256(token.encode()).digest()
+    return any(hmac.compare_digest(got, w) for w in want)
+
+
 class Config:
     """Everything the double needs from the command line."""
 
@@ -252,8 +302,15 @@ class Config:
             self.extra_positionals = positionals
             if not self.model or self.model is True:
                 raise UsageError("the following arguments are required: --model-path")
+        if engine == "sglang" and isinstance(flags.get("config"), str):
+            flags = {**_read_sglang_config(flags["config"]), **flags}
         _validate(engine, flags)
         self.flags = flags
+        key = flags.get("api-key")
+        keys = key if isinstance(key, list) else [key] if isinstance(key, str) else []
+        if engine == "vllm" and not keys:
+            keys = [os.environ.get("VLLM_API_KEY", "")]
+        self.api_keys = [k for k in keys if k]
         self.order = order
         served = flags.get("served-model-name") or self.model
         self.served_names = list(served) if isinstance(served, list) else [served]
@@ -1163,10 +1220,23 @@ class Handler(BaseHTTPRequestHandler):
     def _sse(self, obj) -> None:
         self._chunk(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
 
+    def _refused(self, method: str) -> bool:
+        """Answer 401 as the released engine does when the request lacks the key; True if refused."""
+        cfg = self.state.cfg
+        path = self.path.split("?", 1)[0]
+        if authorized(cfg.engine, cfg.api_keys, method, path, self.headers.get("Authorization")):
+            return False
+        if method == "POST":
+            self._read_body()
+        self._json(401, {"error": "Unauthorized"})
+        return True
+
     # -- routes
     def do_GET(self):
         st = self.state
         path = self.path.split("?", 1)[0]
+        if self._refused("GET"):
+            return
         if path == "/health":
             if st.dead_reason:
                 self._plain(503, "")
@@ -1200,6 +1270,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         path = self.path.split("?", 1)[0]
+        if self._refused("POST"):
+            return
         if path == "/v1/chat/completions":
             self._generate(chat=True)
         elif path == "/v1/completions":
