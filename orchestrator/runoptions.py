@@ -71,4 +71,5 @@ class RunState:
     launched: set[str] = field(default_factory=set)       # hosts whose containers launch started (health)
     cleanups: list[Callable[[], None]] = field(default_factory=list)          # the runner runs these last
     failure_cleanups: list[Callable[[], None]] = field(default_factory=list)  # ... and these when a stage failed
+    proven: dict[str, set[str]] = field(default_factory=dict)   # host -> table stages whose tables this run proved
     shells: ShellPool | None = None   # the stages' shared SSH sessions (executors/shells.py run_shells), closed by the CLI

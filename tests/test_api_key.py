@@ -19,8 +19,8 @@ from orchestrator.errors import InputError
 from orchestrator.launch.containerspec import planned_spec
 from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.stages import build_plan
-from tests.test_launch import (TP4, _docker, containers, double_image, dctl, out, remove_all, stage_engram,  # noqa: F401
-                               unwrap, write_inventory)
+from tests.test_launch import (TP4, _docker, containers, double_image, dctl, engram_synth, out,  # noqa: F401
+                               remove_all, engram_overrides, stage_for_real, unwrap, write_inventory)
 
 KEY1 = "sk-deployctl-test-key-one-0123456789"
 KEY2 = "sk-deployctl-test-key-two-9876543210"
@@ -92,17 +92,14 @@ def keyed(cluster, double_image, tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("keyed")
     key_file = d / "api.key"
     key_file.write_text(KEY1 + "\n")
+    synth = engram_synth(d)
     inv = write_inventory(cluster, d / "inventory.yml", DEP, TP4, [h.name for h in cluster.hosts], PORT,
-                          {"engine.master_port": 29621})
+                          {"engine.master_port": 29621, **engram_overrides(synth)})
     data = yaml.safe_load(inv.read_text())
     data["all"]["vars"]["api_key_file"] = str(key_file)
     inv.write_text(yaml.safe_dump(data, sort_keys=False))
+    stage_for_real(inv, synth)
     dep = load_deployment(inv)
-    for h in dep.cluster.hosts:
-        ck = Path(dep.checkpoint_dir(h))
-        ck.mkdir(parents=True, exist_ok=True)
-        (ck / "config.json").write_text('{"model_type": "deepseek_v41"}\n')
-        stage_engram(Path(dep.engram_dir(h)), dep.recipe.engram.geometry, h.rank)
     remove_all(cluster, DEP)
     yield {"inv": inv, "key_file": key_file, "dep": dep, "dir": d}
     remove_all(cluster, DEP)

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,18 +135,44 @@ def unwrap(text: str) -> str:
 def tp4(cluster, double_image, tmp_path_factory) -> Path:
     """A 4-host inventory for the TP=4 vLLM recipe on the double, with each rank's Engram rows staged."""
     d = tmp_path_factory.mktemp("tp4")
+    synth = engram_synth(d)
     inv = write_inventory(cluster, d / "inventory.yml", TP4_DEP, TP4, [h.name for h in cluster.hosts], TP4_PORT,
-                          {"engine.master_port": 29611})
-    dep = load_deployment(inv)
-    g = dep.recipe.engram.geometry
-    for h in dep.cluster.hosts:
-        ck = Path(dep.checkpoint_dir(h))
-        ck.mkdir(parents=True, exist_ok=True)
-        (ck / "config.json").write_text('{"model_type": "deepseek_v41"}\n')
-        stage_engram(Path(dep.engram_dir(h)), g, h.rank)
+                          {"engine.master_port": 29611, **engram_overrides(synth)})
+    stage_for_real(inv, synth)
     remove_all(cluster, TP4_DEP)
     yield inv
     remove_all(cluster, TP4_DEP)
+
+
+def engram_synth(folder: Path):
+    """A small synthetic DeepSeek checkpoint (scaled Engram geometry: tests/engram_synth.py)."""
+    from tests.engram_synth import Synth
+    return Synth(folder / "engram-synth", [1, 14], [300, 300, 300], 8, 32, 1, seed=11)
+
+
+def set_overrides(sets: list[str]) -> dict:
+    """--set expressions -> the inventory's recipe_overrides mapping."""
+    return {k: yaml.safe_load(v) for k, _, v in (x.partition("=") for x in sets)}
+
+
+def engram_overrides(synth) -> dict:
+    """The recipe scaled to the synthetic checkpoint: its Engram geometry, and a checkpoint size
+    that leaves the memory budget as small as the checkpoint (tests/cluster SCALED_OVERRIDES)."""
+    return {"model.repo": "deployctl-demo/DeepSeek-V4.1-Flash-scaled", "model.checkpoint_gb": 0.05,
+            **set_overrides(synth.sets())}
+
+
+def stage_for_real(inv: Path, synth) -> None:
+    """Every host's checkpoint is the synthetic one, and `deployctl stage` stages each rank's rows
+    (launch proves them before it starts an engine: a hand-made manifest would be refused)."""
+    dep = load_deployment(inv)
+    for h in dep.cluster.hosts:
+        ck = Path(dep.checkpoint_dir(h))
+        if ck.exists():
+            shutil.rmtree(ck)
+        shutil.copytree(synth.ckpt, ck)
+    p = dctl("stage", "-i", str(inv), timeout=600)
+    assert p.returncode == 0, out(p)
 
 
 def stage_engram(folder: Path, geometry, rank: int) -> None:
@@ -296,7 +323,8 @@ def test_wrong_engram_rows_refused_before_anything_starts(cluster, tp4):
         rows = {r["host"]: r for r in json.loads(p.stdout)["hosts"]}
         assert rows["node3"]["staged"]["engram"]["rank_ok"] is False
     finally:
-        stage_engram(folder, dep.recipe.engram.geometry, 2)
+        p = dctl("stage", "-i", str(tp4), timeout=600)          # restage node3's own rows
+        assert p.returncode == 0, out(p)
 
 
 @contextlib.contextmanager

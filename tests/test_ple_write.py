@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import InputError
-from orchestrator.hostside import bulkcopy, bundle
+from orchestrator.hostside import bulkcopy, bundle, tableproof
 from orchestrator.hostside import ple_write as P
 from orchestrator.hostside import ple_spec
 from orchestrator.hostside.geometry import TableGeometry, total_rows
@@ -172,18 +172,25 @@ def test_shards_that_would_overlap_are_refused(ckpt, tmp_path):
     assert rc == 2 and "shard 0" in res["error"] and "would overlap the next shard" in res["error"]
 
 
-def test_restart_keeps_the_file_without_reading_it(ckpt, tmp_path, monkeypatch):
+def test_restart_keeps_the_file_reading_only_a_sample(ckpt, tmp_path, monkeypatch):
+    """A kept table is proven by re-hashing a random sample of its chunks within the byte budget
+    (hostside/tableproof.py), never in full and never rewritten."""
     spec, ck, _ = ckpt
     dest = tmp_path / "ple"
     first = write(spec, ck, dest)
     f = Path(first.data["file"])
     st = f.stat()
-    spy = OpenSpy(monkeypatch)
+    monkeypatch.setattr(tableproof, "SAMPLE_BYTES", 3 * CHUNK)
+    hashed = []
+    real = bulkcopy.hash_chunks
+    monkeypatch.setattr(bulkcopy, "hash_chunks",
+                        lambda fd, spans, cb, workers=None, only=None: hashed.append(only) or real(
+                            fd, spans, cb, workers=workers, only=only))
     again = write(spec, ck, dest)
     assert again.status == "kept", again
-    assert "matches its manifest" in again.reason
+    assert "matches its manifest" in again.reason and "proven: 3 of 42 chunks" in again.reason, again.reason
     assert again.data["decided_in_s"] < 2
-    assert spy.opened(f.parent) and not spy.opened(f)     # the folder lock, not the table
+    assert len(hashed) == 1 and len(hashed[0]) == 3
     st2 = f.stat()
     assert (st2.st_ino, st2.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
 
@@ -194,10 +201,9 @@ def test_check_reports_without_writing_or_reading_the_table(ckpt, tmp_path, monk
     assert P.check_table(spec, ck, dest)["up_to_date"] is False           # nothing written yet
     assert not dest.exists(), "--check creates nothing"
     f = Path(write(spec, ck, dest).data["file"])
-    spy = OpenSpy(monkeypatch)
     doc = P.check_table(spec, ck, dest)
     assert doc["up_to_date"] is True and doc["reason"].startswith("kept: ") and doc["file"] == str(f)
-    assert not spy.opened(f)
+    assert "proven: 42 of 42 chunks" in doc["reason"], doc["reason"]     # the sample covers a small table
     info = ple_spec.Checkpoint(ck).tensor(plans[0].name)
     os.utime(info.file, ns=(info.file.stat().st_atime_ns, info.file.stat().st_mtime_ns + 10**9))
     doc = P.check_table(spec, ck, dest)
@@ -262,18 +268,63 @@ def test_verify_finds_a_corrupted_byte_and_rewrites(ckpt, tmp_path):
     dest = tmp_path / "ple"
     f = Path(write(spec, ck, dest).data["file"])
     ok = write(spec, ck, dest, verify=True)
-    assert ok.status == "kept" and "--verify re-hashed all 42 chunks: equal" in ok.reason, ok.reason
+    assert ok.status == "kept" and "--verify: 42 of 42 chunks" in ok.reason, ok.reason
     st = f.stat()
-    with open(f, "r+b") as fh:                    # bit rot: the bytes change, size and mtime do not
+    with open(f, "r+b") as fh:                    # the bytes change; size and mtime are put back
         fh.seek(20000)
         b = fh.read(1)
         fh.seek(20000)
         fh.write(bytes([b[0] ^ 0x40]))
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert write(spec, ck, dest).status == "kept"          # the cheap check cannot see it
     out = write(spec, ck, dest, verify=True)
     assert out.status == "rewritten", out
-    assert "--verify: chunk 2 of the written ranges" in out.reason
+    assert "corrupt table: " in out.reason and f"{f} chunk 2 (bytes " in out.reason, out.reason
+    assert f.read_bytes() == expected_bytes(plans)
+
+
+def test_a_restart_finds_a_flipped_byte_with_its_mtime_kept(ckpt, tmp_path):
+    """ctime, which user space cannot set back, is in the stat stamp: the next run re-hashes the
+    touched file in full and rewrites it (no --verify needed)."""
+    spec, ck, plans = ckpt
+    dest = tmp_path / "ple"
+    f = Path(write(spec, ck, dest).data["file"])
+    st = f.stat()
+    with open(f, "r+b") as fh:
+        fh.seek(30000)
+        b = fh.read(1)
+        fh.seek(30000)
+        fh.write(bytes([b[0] ^ 0x01]))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    doc = P.check_table(spec, ck, dest)
+    assert doc["up_to_date"] is False and "corrupt table" in doc["reason"], doc
+    assert not (dest / ple_spec.manifest_name(f.name)).exists(), "the manifest of a corrupt table is removed"
+    out = write(spec, ck, dest)
+    assert out.status == "rewritten" and f.read_bytes() == expected_bytes(plans)
+
+
+def test_a_touched_but_intact_table_is_kept_and_its_stat_recorded(ckpt, tmp_path):
+    spec, ck, _ = ckpt
+    dest = tmp_path / "ple"
+    f = Path(write(spec, ck, dest).data["file"])
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    out = write(spec, ck, dest)
+    assert out.status == "kept" and "checked in full" in out.reason and "mtime" in out.reason, out.reason
+    again = write(spec, ck, dest)
+    assert again.status == "kept" and "checked in full" not in again.reason, again.reason
+
+
+def test_silent_damage_is_found_by_the_sample(ckpt, tmp_path):
+    """Damage the filesystem does not see (stat unchanged): stood in for by a manifest whose chunk
+    hash no longer matches; the random sample, which covers this small table, finds it."""
+    spec, ck, plans = ckpt
+    dest = tmp_path / "ple"
+    f = Path(write(spec, ck, dest).data["file"])
+    mpath = dest / ple_spec.manifest_name(f.name)
+    man = json.loads(mpath.read_text())
+    man["checksum"]["chunks"][7] = "0" * 64
+    mpath.write_text(json.dumps(man))
+    out = write(spec, ck, dest)
+    assert out.status == "rewritten" and f"{f} chunk 7 (bytes " in out.reason, out.reason
     assert f.read_bytes() == expected_bytes(plans)
 
 

@@ -50,7 +50,7 @@ def launch_command(inventory, recipe, sets, as_json, verbose, quiet, keep_on_fai
     if dry_run:
         return _dry_run(inventory, recipe, sets, as_json, verbose, ("launch",))
     run_stages(command="launch", inventory=inventory, recipe=recipe, sets=tuple(sets), only=("launch",),
-               as_json=as_json, verbose=verbose, quiet=quiet, lock=True,
+               as_json=as_json, verbose=verbose, quiet=quiet,
                options=RunOptions(keep_on_failure=keep_on_failure))
 
 
@@ -99,16 +99,23 @@ def _status_table(doc: dict[str, Any]) -> Table:
 
 @click.command("status")
 @deployment_options
+@click.option("--verify", is_flag=True,
+              help="Also re-hash every staged table on every host (in parallel) against its manifest.")
 @handle_errors
-def status_command(inventory, recipe, sets, as_json, verbose, quiet):
+def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify):
     """Per host: container state, image ID, uptime, restarts, staged data; and the API's health.
 
-    Read-only. Exit 0 when every host answered (whatever their state), 1 when a host or its Docker
-    engine could not be reached.
+    Read-only (with --verify, a table found corrupt loses its manifest, so the next `up` restages it).
+    Exit 0 when every host answered (whatever their state), 1 when a host or its Docker engine could
+    not be reached, or a table failed --verify.
     """
     from ..launch.lifecycle import cluster_status
     dep = load_deployment(inventory, recipe, tuple(sets))
     doc = cluster_status(dep)
+    bad_tables = False
+    if verify:
+        doc["tables_verified"] = _verify_tables(dep)
+        bad_tables = any(not r.get("up_to_date") for rows in doc["tables_verified"].values() for r in rows.values())
     if as_json:
         emit_json(doc)
     else:
@@ -119,7 +126,34 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet):
                    "[yellow]up, but it rejects the key[/yellow]" if a.get("key_rejected") else "[red]not answering[/red]")
         key = f"; API key id {a['api_key_id']}" if a.get("api_key_id") else ""
         out.print(f"API {a['url']}: {verdict} ({escape(a['detail'])}){key}")
-    sys.exit(0 if all(r.get("reachable") for r in doc["hosts"]) else 1)
+        for host, rows in doc.get("tables_verified", {}).items():
+            for stage, r in rows.items():
+                mark = "[green]verified[/green]" if r.get("up_to_date") else "[red]NOT current[/red]"
+                out.print(f"{host} {stage}: {mark}: {escape(str(r.get('reason')))}")
+    sys.exit(0 if all(r.get("reachable") for r in doc["hosts"]) and not bad_tables else 1)
+
+
+def _verify_tables(dep) -> dict[str, dict[str, dict]]:
+    """{host: {stage: {up_to_date, reason, bytes, seconds, gb_per_s}}} (every chunk re-hashed)."""
+    import tempfile
+
+    from ..hostside import bundle
+    from ..stages.prove_tables import verify_cluster
+    with tempfile.TemporaryDirectory(prefix="deployctl-bundle-") as tmp:
+        found = verify_cluster(dep, bundle.build(tmp))
+    out: dict[str, dict[str, dict]] = {}
+    for host, res in found.items():
+        if "error" in res and isinstance(res["error"], str):
+            out[host] = {"tables": {"up_to_date": False, "reason": res["error"]}}
+            continue
+        out[host] = {}
+        for stage, d in res.items():
+            proof = d.get("proof") or {}
+            secs, n = float(proof.get("seconds") or 0), int(proof.get("bytes") or 0)
+            out[host][stage] = {"up_to_date": d.get("up_to_date") is True, "reason": d.get("reason"),
+                                "bytes": n, "seconds": round(secs, 3),
+                                "gb_per_s": round(n / secs / 1e9, 2) if secs > 0 else None}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

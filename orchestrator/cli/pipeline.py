@@ -13,7 +13,7 @@ from ..plan import Action
 from ..runner import describe_failure, run, say_results
 from ..runoptions import RunOptions
 from ..runrecord import HostLog, RunContext, new_run_dir
-from ..stages import build_plan
+from ..stages import build_plan, select
 from .common import STDERR, emit_json
 
 
@@ -34,13 +34,28 @@ def _head_lock(dep: Deployment, command: str, lock: bool):
     return HeadLock(dep, command)
 
 
+READ_ONLY = frozenset({"preflight", "health"})      # stages that only read hosts: no lock
+
+
+def changes_hosts(stages: tuple[str, ...], options: RunOptions) -> bool:
+    """Whether a run of STAGES changes a host, so it must hold the deployment's lock: every stage
+    but the read-only ones; a build with --local builds on the controller only."""
+    changing = set(stages) - READ_ONLY
+    if options.local:
+        changing.discard("build")
+    return bool(changing)
+
+
 def run_stages(*, command: str, inventory: str | None, recipe: str | None, sets: tuple[str, ...],
                only: tuple[str, ...] = (), skip: tuple[str, ...] = (), as_json: bool = False,
                verbose: int = 0, quiet: bool = False, options: RunOptions | None = None,
-               lock: bool = False) -> None:
-    """LOCK: hold the deployment's lock on the head for the whole run (a second run fails fast)."""
+               lock: bool | None = None) -> None:
+    """LOCK: hold the deployment's lock on the head for the whole run (a second run fails fast).
+    None (the default): when a stage of the run changes hosts (changes_hosts)."""
     dep = load_deployment(inventory, recipe, sets)
     plan = build_plan(dep, only=only, skip=skip, options=options)
+    if lock is None:
+        lock = changes_hosts(select(only, skip), options or RunOptions())
     with _head_lock(dep, command, lock):
         ctx = _context(dep, command, as_json, verbose, quiet, options)
         ctx.say(f"deployctl {command}: {dep.name} ({dep.recipe.name}), run record {ctx.run_dir}")

@@ -5,14 +5,13 @@ import click
 
 from ..deployment import load_deployment
 from ..runoptions import RunOptions
-from ..stages import build_plan, select
+from ..stages import build_plan
 from .common import deployment_options, emit_json, handle_errors
 from .launch_cmd import keep_option
 from .pipeline import run_stages
 from .plan_text import print_plan
 
 
-READ_ONLY = {"preflight", "health"}
 
 
 @click.command("up")
@@ -38,10 +37,9 @@ def up_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run, only, 
         else:
             print_plan(plan, verbose=verbose)
         return
-    # Only runs that change something take the lock: preflight and health only read.
-    changes = set(select(tuple(only), tuple(skip))) - READ_ONLY
+    # Only runs that change something take the lock (pipeline.changes_hosts): preflight and health only read.
     run_stages(command="up", inventory=inventory, recipe=recipe, sets=tuple(sets), only=tuple(only),
-               skip=tuple(skip), as_json=as_json, verbose=verbose, quiet=quiet, lock=bool(changes),
+               skip=tuple(skip), as_json=as_json, verbose=verbose, quiet=quiet,
                options=RunOptions(keep_on_failure=keep_on_failure))
 
 

@@ -326,9 +326,10 @@ def copy_segments(dst_fd: int, segments: list[Segment], *, chunk_bytes: int = CH
 
 
 def hash_chunks(fd: int, spans: list[tuple[int, int]], chunk_bytes: int = CHUNK_BYTES,
-                workers: int | None = None) -> Iterator[tuple[int, str]]:
+                workers: int | None = None, only: "set[int] | None" = None) -> Iterator[tuple[int, str]]:
     """(chunk index, sha256) of the stream formed by byte ranges `spans` of one file, in order,
-    with bounded memory, dropping the read pages from the page cache as it goes."""
+    with bounded memory, dropping the read pages from the page cache as it goes. ONLY: hash just
+    these chunk indices (a sample); the others are not read."""
     segs = [Segment("", off, off, length) for off, length in spans]
     hasher = _Hasher(workers or default_workers())
     limit = max(2, workers or default_workers())
@@ -343,6 +344,8 @@ def hash_chunks(fd: int, spans: list[tuple[int, int]], chunk_bytes: int = CHUNK_
 
     try:
         for i, pieces in enumerate(chunk_pieces(segs, chunk_bytes)):
+            if only is not None and i not in only:
+                continue
             inflight.append((i, pieces, hasher.submit([(fd, p.src_off, p.length) for p in pieces])))
             while len(inflight) > limit:
                 yield retire()

@@ -16,6 +16,8 @@ from . import bulkcopy
 from .engram_spec import (FIDELITY_SAMPLES, LOCAL_NAME, MANIFEST_NAME, RankMismatch, Sources, Spec,
                           VerifyFailed)
 from .safetensors import INDEX_NAME, MAX_HEADER
+from . import tableproof
+from .tableproof import where
 
 
 def same_inode(a: Path, b: Path) -> bool:
@@ -147,7 +149,7 @@ def verify_files(dest: Path, manifest: Mapping[str, Any], threads: int) -> int:
             got = dict(bulkcopy.hash_chunks(fd, spans, cb, workers=threads)) if spans else {}
         for i, want in enumerate(fe["sha256"]):
             if got.get(i) != want:
-                bad.append(f"{path} chunk {i} ({_chunk_where(spans, i, cb)})")
+                bad.append(f"{path} chunk {i} ({where(spans, i, cb)})")
         total += sum(n for _, n in spans)
     if bad:
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
@@ -157,16 +159,32 @@ def verify_files(dest: Path, manifest: Mapping[str, Any], threads: int) -> int:
 
 
 
-def _chunk_where(spans: list[tuple[int, int]], i: int, cb: int) -> str:
-    """Byte ranges of the file that chunk i of the span stream covers ("bytes a..b[, c..d]")."""
-    lo, hi, pos, parts = i * cb, (i + 1) * cb, 0, []
-    for off, n in spans:
-        a, b = max(lo, pos), min(hi, pos + n)
-        if a < b:
-            parts.append(f"{off + a - pos}..{off + b - pos}")
-        pos += n
-    return "bytes " + ", ".join(parts)
-
+def prove_staged(dest: Path, manifest: Mapping[str, Any], sample_bytes: int | None = None,
+                 full_check: bool = False) -> tableproof.Proof:
+    """What every `up` and `launch` runs on a folder its manifest calls current (tableproof.py): the
+    index and every header against the manifest, then the copies' chunks: in full for a file whose
+    stat stamp changed, else the next window of the sample. A link's rows are the checkpoint's own bytes (sync-model
+    proves those), so only its header is read."""
+    files, bad = [], []
+    if file_sha256(dest / INDEX_NAME) != manifest.get("index", {}).get("sha256"):
+        bad.append(f"{dest / INDEX_NAME} (missing or changed)")
+    for fe in manifest.get("files", []):
+        path = dest / fe["name"]
+        try:
+            with open(path, "rb") as fh:
+                head = os.pread(fh.fileno(), fe["header_bytes"], 0)
+        except FileNotFoundError:
+            bad.append(f"{path} (missing)")
+            continue
+        if hashlib.sha256(head).hexdigest() != fe["header_sha256"]:
+            bad.append(f"{path} header (bytes 0..{fe['header_bytes']})")
+        if fe.get("mode") != "link":
+            spans = tuple((p["offset"], p["length"]) for p in fe["pieces"] if p["length"])
+            files.append(tableproof.TableFile(str(path), spans, fe["chunk_bytes"], tuple(fe["sha256"]),
+                                              fe.get("stat")))
+    proof = tableproof.prove(files, sample_bytes, full_check=full_check, state=dest / tableproof.STATE_NAME)
+    proof.bad[:0] = bad
+    return proof
 
 
 def expected_local(expected_ranges: Mapping[Any, Any] | Iterable[Any]) -> dict[str, list[int]]:

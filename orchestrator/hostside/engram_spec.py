@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from ..errors import InputError, StageFailed
 from .geometry import RankRange, TableGeometry, rank_ranges
+from .tableproof import SAMPLE_BYTES
 from .safetensors import DTYPE_BYTES, Checkpoint, TensorInfo
 
 
@@ -53,6 +54,7 @@ LOCK_NAME = ".engram-stage.lock"
 
 
 CHUNK_BYTES = 64 * 1024 * 1024     # checksum granularity
+
 
 
 PAGE = 4096
@@ -87,6 +89,7 @@ class Spec:
     free_margin_gb: float = 0.0
     chunk_bytes: int = CHUNK_BYTES
     link: bool = False          # hard-link the Engram shards when DEST shares the checkpoint's filesystem
+    sample_bytes: int = SAMPLE_BYTES   # what a no-op re-hashes of the staged rows (hostside/tableproof.py)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], source: str = "spec") -> "Spec":
@@ -123,7 +126,8 @@ class Spec:
                    layout=need("layout", str), tp=need("tp", int), rank=need("rank", int),
                    recipe=str(d.get("recipe", "")), recipe_digest=str(d.get("recipe_digest", "")),
                    free_margin_gb=float(d.get("free_margin_gb", 0.0)),
-                   chunk_bytes=int(d.get("chunk_bytes", CHUNK_BYTES)), link=bool(d.get("link", False)))
+                   chunk_bytes=int(d.get("chunk_bytes", CHUNK_BYTES)), link=bool(d.get("link", False)),
+                   sample_bytes=int(d.get("sample_bytes", SAMPLE_BYTES)))
         spec.check(source)
         return spec
 
@@ -150,6 +154,8 @@ class Spec:
                              key="scale_values_per_row")
         if self.chunk_bytes < 4096:
             raise InputError(f"must be >= 4096, got {self.chunk_bytes}", file=source, key="chunk_bytes")
+        if self.sample_bytes < 0:
+            raise InputError(f"must be >= 0, got {self.sample_bytes}", file=source, key="sample_bytes")
 
     def to_json(self) -> dict[str, Any]:
         g = self.geometry
@@ -161,7 +167,8 @@ class Spec:
                 "weight_tensor": self.weight_tensor, "scale_tensor": self.scale_tensor,
                 "scale_dtype": self.scale_dtype, "scale_values_per_row": self.scale_values_per_row,
                 "layout": self.layout, "tp": self.tp, "rank": self.rank,
-                "free_margin_gb": self.free_margin_gb, "chunk_bytes": self.chunk_bytes, "link": self.link}
+                "free_margin_gb": self.free_margin_gb, "chunk_bytes": self.chunk_bytes, "link": self.link,
+                "sample_bytes": self.sample_bytes}
 
     def with_rank(self, rank: int) -> "Spec":
         d = self.to_json()

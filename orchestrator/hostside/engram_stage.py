@@ -46,8 +46,11 @@ engram-local.json then the manifest are written atomically. So a manifest always
 data, and a killed run is simply re-run.
 
 Idempotence: same spec key (geometry, tensor names, dtypes, layout, tp, rank) + same source identity
-+ every file present with its size + the same index + the same engram-local.json -> "skipped" without
-reading table data (only the index and the relevant safetensors headers). The whole-recipe digest is
++ every file present with its size + the same index + the same engram-local.json + proven
+(engram_checks.prove_staged: headers, and every chunk of a file whose stat stamp changed, else the
+next window of a 2 GiB sample; a mismatch removes the manifest and restages) -> "skipped", with no
+copy and no checkpoint row read. The manifest records each file's stat stamp and a content_digest
+(what launch binds into the container spec: a restage restarts the engine). The whole-recipe digest is
 recorded but does not force a restage (changing an engine flag must not copy 49 GB again).
 
 """
@@ -68,7 +71,8 @@ from typing import Any, Callable, Mapping
 from ..errors import DeployctlError, InputError, StageFailed
 from ..fsutil import atomic_write_bytes, atomic_write_text, fsync_dir
 from . import bulkcopy
-from .engram_checks import check_rank, fidelity_check, file_sha256, same_inode, verify_files
+from . import tableproof
+from .engram_checks import check_rank, fidelity_check, file_sha256, prove_staged, same_inode, verify_files
 from .engram_spec import (LOCAL_NAME, LOCK_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, OutFile,
                           Sources, Spec, VerifyFailed, index_allocated, load_spec, local_ranges, out_files,
                           resolve_sources)
@@ -161,6 +165,32 @@ def up_to_date(spec: Spec, sources: Sources, dest: Path, files: list[OutFile]) -
     return True, (f"already staged: rank {spec.rank} of {spec.tp}, layout {spec.layout}, "
                   f"{len(files)} {what} ({n} bytes of rows) from the same checkpoint "
                   f"({len(ident)} source files: same sizes, mtimes and header digests; same index)")
+
+
+def proven(dest: Path, sample_bytes: int, full_check: bool = False) -> tuple[bool, str, dict[str, Any]]:
+    """(True, what was checked) when the staged bytes still match the manifest (engram_checks.
+    prove_staged: a sample, or every chunk of a file touched since it was staged); else (False, why)
+    and the manifest is removed, so this run (or the next) restages instead of serving bad rows. A
+    touched file found intact gets its new stat recorded."""
+    manifest = read_json(dest / MANIFEST_NAME)
+    proof = prove_staged(dest, manifest, sample_bytes, full_check)
+    if not proof.ok:
+        invalidate_manifest(dest)
+        more = f" and {len(proof.bad) - 3} more" if len(proof.bad) > 3 else ""
+        return False, (f"corrupt staged data: {'; '.join(proof.bad[:3])}{more} differ from {MANIFEST_NAME} "
+                       f"({proof.summary()}): restaging"), proof.to_json()
+    if proof.refreshed:
+        refresh_stamps(dest, manifest, proof.refreshed)
+    return True, proof.summary(), proof.to_json()
+
+
+def refresh_stamps(dest: Path, manifest: dict[str, Any], stamps: Mapping[str, dict[str, int]]) -> None:
+    """Record the files' current stat in the manifest (their content was just proven equal)."""
+    for fe in manifest["files"]:
+        new = stamps.get(str(dest / fe["name"]))
+        if new:
+            fe["stat"] = new
+    atomic_write_text(dest / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
 
 
 def free_bytes(path: Path) -> int:
@@ -272,9 +302,13 @@ def stage(spec: Spec, checkpoint: str | Path, dest: str | Path, *, verify: bool 
     dest.mkdir(parents=True, exist_ok=True)
     with _Lock(dest):
         current, why = up_to_date(spec, sources, dest, files)
+        if current and not verify:
+            current, proof, _ = proven(dest, spec.sample_bytes)
+            if current:
+                return {**base, "status": "skipped", "reason": f"{why}; proven: {proof}",
+                        "seconds": round(time.monotonic() - t0, 3)}
+            why = proof
         if current:
-            if not verify:
-                return {**base, "status": "skipped", "reason": why, "seconds": round(time.monotonic() - t0, 3)}
             manifest = read_json(dest / MANIFEST_NAME)
             try:
                 n = verify_files(dest, manifest, threads)
@@ -282,6 +316,8 @@ def stage(spec: Spec, checkpoint: str | Path, dest: str | Path, *, verify: bool 
             except VerifyFailed:
                 invalidate_manifest(dest)
                 raise
+            refresh_stamps(dest, manifest, {str(dest / fe["name"]): tableproof.stamp(dest / fe["name"])
+                                            for fe in manifest["files"]})
             what = ("every link is still the checkpoint's shard, headers match" if mode == "link"
                     else "every chunk's sha256 matches")
             return {**base, "status": "skipped", "verified": True, "verified_bytes": n, "fidelity_rows": rows,
@@ -311,7 +347,7 @@ def stage(spec: Spec, checkpoint: str | Path, dest: str | Path, *, verify: bool 
         except VerifyFailed:
             invalidate(dest)
             raise
-        mfiles = [_manifest_file(f, *written[f.name]) for f in files]
+        mfiles = [{**_manifest_file(f, *written[f.name]), "stat": tableproof.stamp(dest / f.name)} for f in files]
         manifest = _manifest(spec, sources, files, mfiles, time.monotonic() - t0)
         verified = None
         if verify:
@@ -456,21 +492,36 @@ def _manifest(spec: Spec, sources: Sources, files: list[OutFile], mfiles: list[d
                                                   "shape": list(t.shape), "offset": t.offset}
                                for (layer, fld), t in sorted(sources.tensors.items())}},
         "index": {"name": INDEX_NAME, "sha256": sources.index_sha256, "size": len(sources.index)},
-        "files": mfiles, "bytes": sum(f.length for f in files),
+        "files": mfiles, "bytes": sum(f.length for f in files), "content_digest": content_digest(sources, mfiles),
         "allocated_bytes": sum(f.allocated_bytes() for f in files) + index_allocated(sources),
         "apparent_bytes": sum(f.size for f in files),
         "staged_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(seconds, 3),
     }
 
 
-def check(spec: Spec, checkpoint: str | Path, dest: str | Path) -> dict[str, Any]:
-    """What a run would do, without writing: up to date?, space needed and free (for the playbook)."""
+def content_digest(sources: Sources, mfiles: list[dict[str, Any]]) -> str:
+    """What the engine reads from the folder, in one hash: the index and, per file, its header, chunk
+    hashes and inode (a restage renames new files into place: an engine started before still reads
+    the old ones through its open descriptors). Launch puts it in the container's spec digest, so a
+    restage restarts the engine; re-recording a stat does not change it."""
+    doc = [sources.index_sha256] + [[m["name"], m["size"], m["header_sha256"], m["sha256"], m.get("inode"),
+                                     (m.get("stat") or {}).get("ino")] for m in mfiles]
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def check(spec: Spec, checkpoint: str | Path, dest: str | Path, full: bool = False) -> dict[str, Any]:
+    """What a run would do: up to date (proven: `proven`)?, space needed and free (for the playbook).
+    Writes no table data; the proof moves its sample window and removes a proven-corrupt manifest."""
     dest = Path(dest).absolute()
     sources = resolve_sources(spec, checkpoint)
     mode, mode_why = staging_mode(spec, sources, dest)
     files = out_files(spec, sources, mode)
     current, why = up_to_date(spec, sources, dest, files) if dest.is_dir() else (False, f"{dest} does not exist")
-    return {"op": "engram-stage", "status": "check", "up_to_date": current, "reason": why, "mode": mode,
+    proof: dict[str, Any] = {}
+    if current:
+        current, said, proof = proven(dest, spec.sample_bytes, full)
+        why = f"{why}; proven: {said}" if current else said
+    return {"op": "engram-stage", "status": "check", "up_to_date": current, "reason": why, "proof": proof, "mode": mode,
             "mode_reason": mode_why, "rank": spec.rank, "tp": spec.tp, **space_report(spec, sources, dest, files, current)}
 
 
@@ -512,7 +563,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dest", required=True, help="the folder on local NVMe")
     ap.add_argument("--rank", type=int, default=None, help="override the spec's rank")
     ap.add_argument("--verify", action="store_true", help="re-hash everything against the manifest")
-    ap.add_argument("--check", action="store_true", help="report up-to-date and free space; write nothing")
+    ap.add_argument("--check", action="store_true", help="report up-to-date (proven) and free space; no table data is written")
     ap.add_argument("--check-rank", action="store_true",
                     help="refuse (exit 1) unless DEST holds exactly the spec's rank's rows")
     ap.add_argument("--threads", type=int, default=None)
@@ -525,7 +576,7 @@ def main(argv: list[str]) -> int:
             res = {"op": "engram-stage", "status": "rank-ok", "dest": a.dest, "rank": m.get("rank"),
                    "tp": m.get("tp"), "ranges": local_ranges(spec)}
         elif a.check:
-            res = check(spec, a.checkpoint, a.dest)
+            res = check(spec, a.checkpoint, a.dest, full=a.verify)
         else:
             res = stage(spec, a.checkpoint, a.dest, verify=a.verify, threads=a.threads, log=log)
         code = 0

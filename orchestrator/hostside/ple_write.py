@@ -14,14 +14,16 @@ each table its manifest `<table>.deployctl-manifest.json` is written last:
      "checksum": {"scheme": "sha256", "chunk_bytes", "chunks": [hex, ...]} (over the spans, in order),
      "source": {"checkpoint", "files": [Checkpoint.identity ...], "tensors": [...]},
      "table_key": digest of (layout, tensor names, source identity),
-     "stat": {"ino", "mtime_ns", "size"}, "recipe": {"name", "digest"}, "spec": {...}, "written": {...}}
+     "stat": {"size", "ino", "mtime_ns", "ctime_ns"}, "content_digest" (what launch binds into the spec),
+     "recipe": {"name", "digest"}, "spec": {...}, "written": {...}}
 
 The image's SGLang patch (dockerfiles/sglang-qwen38/patches/deployctl_sglang_ple) reads that manifest
 to skip the engine's own boot-time rewrite of a table deployctl wrote and checked.
 
-Restart: when the manifest's table_key equals the current one and the file's size, inode and
-mtime are the ones recorded, the file is kept without reading it (a no-op with the reason);
-`--verify` re-hashes it against the manifest (and rewrites it on a mismatch). Otherwise a new
+Restart: when the manifest's table_key equals the current one and the file has the recorded size,
+the file is kept once it is proven (tableproof.py: every chunk re-hashed if its inode, mtime or
+ctime changed since it was written, else the next 2 GiB window of chunks; a mismatch rewrites it);
+`--verify` re-hashes every chunk. Otherwise a new
 temp file is written and renamed over the old one (never read-modify-write); `ple_table_*.bin`
 files that are not one of the spec's tables (another geometry, an older deployctl's name) are
 removed afterwards, with their manifests.
@@ -41,6 +43,7 @@ import argparse
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import glob
 import json
 import mmap
@@ -54,7 +57,7 @@ from typing import Any
 
 from ..errors import DeployctlError, InputError
 from ..fsutil import atomic_write_text, fsync_dir
-from . import bulkcopy
+from . import bulkcopy, tableproof
 from .ple_layout import RankTable
 from .ple_spec import (MANIFEST_SUFFIX, PleTableSpec, Source, WriteFailed, load_spec, manifest_name, mem_available,
                        pinned_ram_verdict, resolve_source, segments_for, spans_of, table_key)
@@ -96,31 +99,36 @@ def keep_reason(man: dict | None, dest: Path, name: str, key: str, src: Source,
     rec = man.get("stat", {})
     if st.st_size != bytes_ or rec.get("size") != bytes_:
         return False, f"{name} has {st.st_size} bytes, expected {bytes_}"
-    if (st.st_ino, st.st_mtime_ns) != (rec.get("ino"), rec.get("mtime_ns")):
-        return False, f"{name} was modified or replaced since it was written (inode/mtime differ)"
+    # a changed inode, mtime or ctime is not decided here: prove() re-hashes such a file in full
     return True, (f"{name} matches its manifest: same checkpoint ({len(src.identity)} file(s): "
                   f"sizes, mtimes, headers), same layout ({man.get('layout', {}).get('shape')} x "
-                  f"{man.get('row_bytes')} B rows), same size, inode and mtime")
+                  f"{man.get('row_bytes')} B rows), same size")
 
 
-def verify_file(path: Path, man: dict) -> str | None:
-    """Re-hash the written spans chunk by chunk against the manifest; None if equal, else what differs."""
+def proven(dest: Path, name: str, man: dict, full_check: bool = False) -> tuple[bool, str, dict[str, Any]]:
+    """(True, what was checked) when the kept file's bytes still match its manifest (tableproof.py:
+    the next window of its chunks, or all of them for a file touched since it was written, or with
+    --verify); else (False, why) and the manifest is removed, so the table is rewritten rather
+    than mapped by the engine. A touched file found intact gets its new stat recorded."""
     ck = man["checksum"]
-    want = ck["chunks"]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = 0
-        spans = [(int(o), int(n)) for o, n in man["spans"]]
-        for i, h in bulkcopy.hash_chunks(fd, spans, ck["chunk_bytes"]):
-            got += 1
-            if i >= len(want) or h != want[i]:
-                return (f"chunk {i} of the written ranges has sha256 {h[:16]}..., the manifest says "
-                        f"{want[i][:16] if i < len(want) else '-'}...")
-        if got != len(want):
-            return f"{got} chunks hashed, the manifest lists {len(want)}"
-    finally:
-        os.close(fd)
-    return None
+    f = tableproof.TableFile(str(dest / name), tuple((int(o), int(n)) for o, n in man["spans"]),
+                             int(ck["chunk_bytes"]), tuple(ck["chunks"]), man.get("stat"))
+    proof = tableproof.prove([f], full_check=full_check, state=dest / f".{name}{tableproof.STATE_SUFFIX}")
+    if not proof.ok:
+        (dest / manifest_name(name)).unlink(missing_ok=True)
+        return (False, f"corrupt table: {'; '.join(proof.bad[:3])} differ from its manifest ({proof.summary()})",
+                proof.to_json())
+    if proof.refreshed:
+        man["stat"] = proof.refreshed[f.path]
+        atomic_write_text(dest / manifest_name(name), json.dumps(man, indent=1) + "\n")
+    return True, proof.summary(), proof.to_json()
+
+
+def content_digest(name: str, key: str, chunks: list[str], ino: int) -> str:
+    """What the engine maps, in one hash (file name, layout and source key, chunk hashes, and the
+    inode: a rewrite renames a new file into place, an engine started before still maps the old
+    one). Launch puts it in the container's spec digest, so a rewritten table restarts the engine."""
+    return hashlib.sha256(json.dumps([name, key, chunks, ino]).encode()).hexdigest()
 
 
 # -- read-back check ----------------------------------------------------------------------------
@@ -278,12 +286,10 @@ def _write_one(spec: PleTableSpec, src: Source, table: RankTable, dest: Path, ch
     keep, why = keep_reason(man, dest, name, key, src, total)
     base = {"file": str(final), "rows": table.rows, "row_bytes": table.row_bytes, "bytes": total,
             "rank": table.rank, "decided_in_s": round(time.monotonic() - t0, 3), "host": host}
-    if keep and verify:
-        bad = verify_file(final, man)
-        if bad:
-            keep, why = False, f"--verify: {bad}"
-        else:
-            why += f"; --verify re-hashed all {len(man['checksum']['chunks'])} chunks: equal"
+    if keep:
+        assert man is not None
+        keep, proof, _ = proven(dest, name, man, full_check=verify)
+        why = f"{why}; {'--verify' if verify else 'proven'}: {proof}" if keep else proof
     if keep:
         return Outcome("kept", why, {**base, "seconds": round(time.monotonic() - t0, 3)})
 
@@ -302,7 +308,6 @@ def _write_one(spec: PleTableSpec, src: Source, table: RankTable, dest: Path, ch
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(dest)
-    st = final.stat()
     manifest = {
         "format": MANIFEST_FORMAT, "file": name, "bytes": total, "row_bytes": table.row_bytes,
         "width": table.width, "dtype": table.dtype, "layout": table.to_json(),
@@ -311,7 +316,8 @@ def _write_one(spec: PleTableSpec, src: Source, table: RankTable, dest: Path, ch
         "source": {"checkpoint": str(checkpoint.resolve()), "files": src.identity,
                    "tensors": src.tensors, "config": src.config},
         "table_key": key,
-        "stat": {"ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "size": st.st_size},
+        "stat": tableproof.stamp(final),
+        "content_digest": content_digest(name, key, res.chunks, final.stat().st_ino),
         "recipe": spec.recipe, "spec": spec.to_json(),
         "written": {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "seconds": round(res.seconds, 3), "preallocated": res.preallocated,
@@ -391,25 +397,33 @@ def _write_new(tmp: Path, segments: list[bulkcopy.Segment], total: int, prealloc
         os.close(fd)
 
 
-def check_table(spec: PleTableSpec, checkpoint: str | Path, dest: str | Path) -> dict[str, Any]:
-    """Would write_table keep every file? Reads only manifests, stats, config.json and safetensors
-    headers; writes nothing and takes no lock (what the stage asks over SSH before starting Ansible)."""
+def check_table(spec: PleTableSpec, checkpoint: str | Path, dest: str | Path, full: bool = False) -> dict[str, Any]:
+    """Would write_table keep every file? Reads manifests, stats, config.json, safetensors headers and
+    the proof's sample of each kept table (`proven`); writes no table data and takes no lock (what the
+    stage and launch ask over SSH). A proven-corrupt table loses its manifest here."""
     if spec.placement != "nvme":
         return {"op": "ple-write", "status": "check", "up_to_date": False,
                 "reason": f"placement {spec.placement!r}: checked on the host by the op itself"}
     src = resolve_source(spec, checkpoint)
     dest = Path(dest)
     tables = spec.tables()
-    whys, ok = [], True
+    whys, ok, proofs = [], True, []
     for t in tables:
-        keep, why = keep_reason(read_manifest(dest, t.file_name), dest, t.file_name,
-                                table_key(spec, src, t), src, t.nbytes)
+        man = read_manifest(dest, t.file_name)
+        keep, why = keep_reason(man, dest, t.file_name, table_key(spec, src, t), src, t.nbytes)
+        if keep:
+            assert man is not None
+            keep, said, proof = proven(dest, t.file_name, man, full)
+            why = f"{why}; proven: {said}" if keep else said
+            proofs.append(proof)
         ok, whys = ok and keep, whys + [why]
     stale = [p.name for p in _others(dest, [t.file_name for t in tables])]
     if ok and stale:
         ok, whys = False, whys + [f"stale table files to remove: {', '.join(stale[:3])}"]
     return {"op": "ple-write", "status": "check", "up_to_date": ok,
             "reason": ("kept: " if ok else "") + "; ".join(whys),
+            "proof": {"bytes": sum(p["bytes"] for p in proofs), "seconds": sum(p["seconds"] for p in proofs),
+                      "chunks": sum(p["chunks"] for p in proofs)},
             "file": str(dest / tables[0].file_name), "bytes": sum(t.nbytes for t in tables)}
 
 
@@ -421,7 +435,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--checkpoint", help="checkpoint folder (safetensors)")
     ap.add_argument("--dest", help="folder for the table file (the engine's --ple-offload-dir)")
     ap.add_argument("--verify", action="store_true", help="re-hash a kept file against its manifest")
-    ap.add_argument("--check", action="store_true", help="report whether the file is current; write nothing")
+    ap.add_argument("--check", action="store_true", help="report whether the file is current (proven); no table data is written")
     ap.add_argument("--host", default=None, help="this host's inventory name (for messages)")
     ap.add_argument("--no-preallocate", action="store_true", help="skip fallocate")
     ap.add_argument("--chunk-mib", type=int, default=bulkcopy.CHUNK_BYTES >> 20)
@@ -434,7 +448,7 @@ def main(argv: list[str]) -> int:
         if spec.placement == "nvme" and not (a.checkpoint and a.dest):
             raise InputError("placement nvme needs --checkpoint and --dest", key="--checkpoint")
         if a.check:
-            print(json.dumps({**check_table(spec, a.checkpoint or "", a.dest or ""), "host": a.host}))
+            print(json.dumps({**check_table(spec, a.checkpoint or "", a.dest or "", full=a.verify), "host": a.host}))
             return 0
         out = write_table(spec, a.checkpoint or "", a.dest or "", verify=a.verify, host=a.host,
                           prealloc=not a.no_preallocate, chunk_bytes=a.chunk_mib << 20, quiet=a.quiet)

@@ -127,10 +127,12 @@ def logs_tail(sh: HostShell, container: str, lines: int = LOG_TAIL, timeout: flo
     return r.stdout.splitlines()[-lines:]
 
 
-def remove_all(sh: HostShell, deployment: str, stop_timeout: int = STOP_TIMEOUT_S) -> list[Container]:
-    """Stop (SIGTERM, then SIGKILL after STOP_TIMEOUT) and remove every container of DEPLOYMENT, then
-    list again: a container still there is a failure naming it. Returns what was removed."""
-    found = list_containers(sh, deployment)
+def remove_all(sh: HostShell, deployment: str, stop_timeout: int = STOP_TIMEOUT_S,
+               keep: frozenset[str] = frozenset()) -> list[Container]:
+    """Stop (SIGTERM, then SIGKILL after STOP_TIMEOUT) and remove every container of DEPLOYMENT but
+    the ones in KEEP (IDs: launch's prepared containers), then list again: a container still there
+    is a failure naming it. Returns what was removed."""
+    found = [c for c in list_containers(sh, deployment) if c.id not in keep]
     if not found:
         return []
     ids = [c.id for c in found]
@@ -138,7 +140,7 @@ def remove_all(sh: HostShell, deployment: str, stop_timeout: int = STOP_TIMEOUT_
     if running:
         sh.run(sh.docker("stop", "-t", str(stop_timeout), *running), timeout=stop_timeout + 60)
     r = sh.run(sh.docker("rm", "-f", *ids), timeout=120)
-    left = list_containers(sh, deployment)
+    left = [c for c in list_containers(sh, deployment) if c.id not in keep]
     if left:
         detail = (r.stderr.strip().splitlines() or [""])[-1]
         raise HostFailure(f"{len(left)} container(s) of {deployment} still present after docker stop/rm: "
@@ -165,6 +167,9 @@ def memory_gate(sh: HostShell, drop: bool, min_gib: float, mkdir: str = "",
     if not ok:
         raise HostFailure("refused: " + msg + (f" [{'; '.join(notes)}]" if notes else ""))
     return notes, msg
+
+
+PREPARED_SUFFIX = "-next"
 
 
 def secret_keys(spec: ContainerSpec) -> list[str]:
@@ -199,14 +204,54 @@ def write_secret_file(sh: HostShell, path: str, text: str, timeout: float = 30.0
         raise HostFailure(f"cannot write the API key file {path}: {(r.stderr or r.stdout).strip()[-300:]}", rc=r.rc)
 
 
-def start(sh: HostShell, spec: ContainerSpec, expanded_env: dict[str, str], timeout: float = 180.0) -> str:
-    """docker run -d SPEC on the host; returns the container ID. EXPANDED_ENV holds the values of the
-    spec's ${VAR} variables (see run_argv)."""
-    argv = run_argv(spec, sh.host.docker_host)
+def prepared_name(spec: ContainerSpec) -> str:
+    """The name a prepared container has until it replaces the running one."""
+    return f"{spec.name}{PREPARED_SUFFIX}"
+
+
+def create_argv(spec: ContainerSpec, docker_host: str) -> list[str]:
+    """run_argv as `docker create` under prepared_name: the same options, checked the same way."""
+    argv = run_argv(spec, docker_host)
+    i = argv.index("run")
+    assert argv[i + 1] == "-d"
+    argv[i:i + 2] = ["create"]
+    argv[argv.index("--name") + 1] = prepared_name(spec)
+    return argv
+
+
+def create(sh: HostShell, spec: ContainerSpec, expanded_env: dict[str, str], timeout: float = 180.0) -> str:
+    """docker create SPEC on the host beside the running container (prepare before destroy: what
+    Docker would refuse, a bad size, option or image, it refuses here while the old engine still
+    serves); returns the container ID. EXPANDED_ENV: the spec's ${VAR} values (see run_argv)."""
+    sh.run(sh.docker("rm", "-f", prepared_name(spec)), timeout=60)     # a crashed run's leftover
     secret = {k: expanded_env[k] for k in secret_keys(spec)}
-    r = sh.run(argv, timeout=timeout, stdin=env_file(secret) if secret else None)
+    r = sh.run(create_argv(spec, sh.host.docker_host), timeout=timeout,
+               stdin=env_file(secret) if secret else None)
     if r.rc != 0:
         tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-10:]
-        raise HostFailure(f"docker run {spec.image} failed (exit {r.rc}): {tail[-1] if tail else ''}",
+        raise HostFailure(f"docker create {spec.image} failed (exit {r.rc}): {docker_reason(tail)}",
                           rc=r.rc, tail=tail)
     return r.stdout.strip().splitlines()[-1]
+
+
+def docker_reason(lines: list[str]) -> str:
+    """The line of a docker CLI error that says what is wrong (not its usage hints)."""
+    hints = ("Usage:", "See '", "Run '")
+    useful = [x.strip() for x in lines if x.strip() and not x.strip().startswith(hints)]
+    return useful[0] if useful else (lines[-1] if lines else "")
+
+
+def start(sh: HostShell, spec: ContainerSpec, cid: str, timeout: float = 180.0) -> str:
+    """Give the prepared container CID its real name and start it; returns CID."""
+    for argv in (sh.docker("rename", cid, spec.name), sh.docker("start", cid)):
+        r = sh.run(argv, timeout=timeout)
+        if r.rc != 0:
+            tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-10:]
+            raise HostFailure(f"docker {argv[argv.index(cid) - 1]} {spec.name} failed (exit {r.rc}): "
+                              f"{docker_reason(tail)}", rc=r.rc, tail=tail)
+    return cid
+
+
+def discard(sh: HostShell, cid: str) -> None:
+    """Remove a prepared container that will not be started."""
+    sh.run(sh.docker("rm", "-f", cid), timeout=60)

@@ -25,6 +25,7 @@ MODEL_MOUNT = "/model"
 ENGRAM_MOUNT = "/engram"
 PLE_MOUNT = "/ple"
 LABEL = "deployctl.deployment"
+TABLES_LABEL = "deployctl.tables"
 SPEC_LABEL = "deployctl.spec"            # the spec digest: same digest = same container (skip a relaunch)
 MASTER = "\x00master-addr\x00"          # stands for the head's address while rendering (bind_fabric fills it)
 
@@ -65,6 +66,7 @@ class ContainerSpec:
     master_slots: tuple[tuple[int, str], ...] = ()          # (argv index, element with MASTER): bind_fabric re-fills them
     api_key_id: str = ""                  # apikey.ApiKey.key_id (in the digest: a new key relaunches); the key is never here
     secret_files: tuple[tuple[str, str], ...] = ()          # (host path, what) launch writes before starting: SGLang's key file
+    tables: tuple[tuple[str, str], ...] = ()                # (table, content digest) of the staged tables (bind_tables)
 
     @property
     def digest(self) -> str:
@@ -74,6 +76,8 @@ class ContainerSpec:
                "options": self.options}
         if self.api_key_id:
             doc["api_key_id"] = self.api_key_id
+        if self.tables:
+            doc["tables"] = dict(self.tables)
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def docker_run_argv(self) -> list[str]:
@@ -105,7 +109,7 @@ class ContainerSpec:
                 "mounts": [list(m) for m in self.mounts], "labels": self.labels,
                 "shm_size": self.shm_size, "gpus": self.gpus, "rdma_devices": self.rdma_devices,
                 "digest": self.digest, "fabric": self.fabric_note, "options": self.options,
-                "start": self.start, "api_key_id": self.api_key_id,
+                "start": self.start, "api_key_id": self.api_key_id, "tables": dict(self.tables),
                 "docker_run": self.docker_run_argv()}
 
 
@@ -203,6 +207,20 @@ def bind_fabric(spec: ContainerSpec, fabric: Fabric | None, master: str | None,
     bound = replace(spec, argv=tuple(argv), env=env, rdma_devices=bool(fabric and fabric.hcas), fabric_note=note)
     # The digest covers everything but the labels, so it can be one of them.
     return replace(bound, labels={**bound.labels, SPEC_LABEL: bound.digest})
+
+
+def bind_tables(spec: ContainerSpec, digests: dict[str, str]) -> ContainerSpec:
+    """SPEC with the content digests of the staged tables it serves (probe.table_digests): they are
+    in its digest, so a restaged Engram folder or a rewritten PLE file restarts the engine that
+    maps the old bytes. Pure."""
+    bound = replace(spec, tables=tuple(sorted(digests.items())))
+    labels = {**bound.labels, TABLES_LABEL: tables_id(bound.tables)} if bound.tables else bound.labels
+    return replace(bound, labels={**labels, SPEC_LABEL: bound.digest})
+
+
+def tables_id(tables: tuple[tuple[str, str], ...]) -> str:
+    """A short id of the staged tables' digests (a container label: launch says when they changed)."""
+    return hashlib.sha256(json.dumps(list(tables)).encode()).hexdigest()[:16]
 
 
 def planned_spec(dep: Deployment, host: Host) -> ContainerSpec:

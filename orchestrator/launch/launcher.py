@@ -31,18 +31,24 @@ from ..outcomes import HostFailure, HostResult
 from ..plan import Action
 from ..runrecord import HostLog, RunContext
 from . import api, probe
-from .containers import Container, memory_gate, remove_all, run_argv, start, write_secret_file
+from .containers import (Container, create, discard, memory_gate, prepared_name, remove_all, run_argv, start,
+                         write_secret_file)
 from .fabric import Fabric, choose_fabric
 from .lifecycle import remove_everywhere
-from ..executors.shells import Shells, run_shells
+from ..executors.shells import HostShell, Shells, run_shells
 from ..outcomes import parallel
 from .results import failure, record
-from .containerspec import ContainerSpec, bind_fabric, expand_env, start_sequence
+from .containerspec import TABLES_LABEL, ContainerSpec, bind_fabric, bind_tables, expand_env, start_sequence
 
 STAGE_NAME = "launch"
 
 
-def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostResult]:
+# proves a host's staged tables (stages/prove_tables.py), given what the probe read there
+Prover = Callable[[HostShell, dict[str, Any]], list[str]]
+
+
+def apply(dep: Deployment, actions: list[Action], ctx: RunContext, prove: Prover | None = None) -> list[HostResult]:
+    """PROVE: called per host before anything is touched; raises HostFailure to refuse the host."""
     environ = dict(os.environ)
     if dep.api_key is not None:      # ${DEPLOYCTL_API_KEY} in the engine env (orchestrator/apikey.py)
         environ[apikey.ENV_NAME] = dep.api_key.value
@@ -56,7 +62,7 @@ def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostR
         if missing:
             raise DeployctlError(f"internal error: the launch actions of {', '.join(missing)} carry no "
                                  "ContainerSpec (build plans with orchestrator.stages.build_plan)")
-        return _Launch(dep, ctx, run_shells(dep.cluster, ctx.state), planned, logs, environ).run()
+        return _Launch(dep, ctx, run_shells(dep.cluster, ctx.state), planned, logs, environ, prove).run()
     finally:
         for log in logs.values():
             log.close()
@@ -64,8 +70,10 @@ def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostR
 
 class _Launch:
     def __init__(self, dep: Deployment, ctx: RunContext, shells: Shells, planned: dict[str, ContainerSpec],
-                 logs: dict[str, HostLog], environ: dict[str, str]):
+                 logs: dict[str, HostLog], environ: dict[str, str], prove: Prover | None = None):
         self.dep, self.ctx, self.shells, self.logs = dep, ctx, shells, logs
+        self.prove = prove
+        self.prepared: dict[str, str] = {}     # host -> the created, not yet started container
         self.planned, self.names = planned, list(planned)
         self.environ = environ
         self.head = dep.cluster.head
@@ -114,6 +122,10 @@ class _Launch:
             raise HostFailure(f"refused: {problem}")
         return read
 
+    def prove_tables(self, name: str, staged: dict[str, Any]) -> None:
+        for line in self.prove(self.shells[name], staged) if self.prove else []:
+            self.logs[name].write(f"proven: {line}")
+
     def fabrics(self, info: dict[str, probe.HostRead]) -> tuple[dict[str, Fabric | None],
                                                                  dict[str, BaseException]]:
         out: dict[str, Fabric | None] = {n: None for n in self.names}
@@ -145,6 +157,8 @@ class _Launch:
             if c.spec != specs[n].digest:
                 was, now = c.labels.get(apikey.LABEL, ""), specs[n].api_key_id
                 key = (f" (the API key changed: id {was or 'none'} -> {now or 'none'})" if was != now else "")
+                if c.labels.get(TABLES_LABEL, "") != specs[n].labels.get(TABLES_LABEL, ""):
+                    key += " (the staged tables changed since it started)"
                 return f"{n} runs spec {c.spec or '(none)'}, the new spec is {specs[n].digest}{key}"
             if c.image_id != info[n].image_id:
                 return f"{n} runs image {c.image_id[7:19]}, {self.image} is now {(info[n].image_id or '')[7:19]}"
@@ -161,13 +175,20 @@ class _Launch:
         if bad:
             return self.abort(bad, f"nothing changed: launch refused before touching any container "
                                    f"({', '.join(sorted(bad))} failed the checks)")
+        if self.prove is not None:
+            _, bad = self.phase("prove-tables", self.names, lambda n: self.prove_tables(n, info[n].staged))
+            if bad:
+                return self.abort(bad, f"nothing changed: launch refused before touching any container "
+                                       f"({', '.join(sorted(bad))}: staged tables not current)")
         fabrics, bad = self.fabrics(info)
         if bad:
             return self.abort(bad, f"nothing changed: no fabric for {', '.join(sorted(bad))}")
         # What runs is what was planned (the action's ContainerSpec), bound to the detected fabric.
         head_fabric = fabrics[self.head]
         master = head_fabric.address if head_fabric else None
-        specs = {n: bind_fabric(self.planned[n], fabrics[n], master, dep.recipe.engine.nccl_roce_env)
+        # ... and to the staged tables' content digests: a restaged table restarts its engine.
+        specs = {n: bind_tables(bind_fabric(self.planned[n], fabrics[n], master, dep.recipe.engine.nccl_roce_env),
+                                probe.table_digests(info[n].staged))
                  for n in self.names}
         envs = {n: expand_env(s.env, self.environ, str(dep.loaded.path)) for n, s in specs.items()}
 
@@ -183,6 +204,16 @@ class _Launch:
             self.logs[n].write(f"launching ({why}): "
                                f"{' '.join(run_argv(specs[n], self.dep.cluster.host(n).docker_host))}")
 
+        # Prepare before destroy: every new container is created beside the running one first; what
+        # Docker refuses leaves the running deployment as it is.
+        self.prepared, bad = self.phase("prepare", self.names, lambda n: self.create(n, specs[n], envs[n]))
+        if bad or ctx.cancel.is_set():
+            parallel(list(self.prepared), lambda n: discard(self.shells[n], self.prepared[n]))
+            bad = bad or {n: HostFailure("cancelled (Ctrl-C) before starting") for n in self.names}
+            kept = ("nothing changed: the running containers are kept (the new ones could not be created on "
+                    f"{', '.join(sorted(bad))}; the prepared ones were removed)")
+            ctx.say(f"  [yellow]{escape(kept)}[/yellow]")
+            return self.abort(bad, kept)
         # Every node is cleared before any starts. Ctrl-C from here on removes what was started.
         cleanup = _cleanup(dep, ctx, self.names)
         ctx.state.cleanups.append(cleanup)
@@ -213,7 +244,7 @@ class _Launch:
                     bad = {self.head: HostFailure("cancelled (Ctrl-C) before starting")}
                     break
             what = "start-head" if group == [self.head] else "start-workers"
-            ok, bad = self.phase(what, group, lambda n: self.start(n, specs[n], envs[n]))
+            ok, bad = self.phase(what, group, lambda n: self.start(n, specs[n]))
             started.update(ok)
             if bad:
                 break
@@ -236,8 +267,13 @@ class _Launch:
                                                                            "reason": f.reason}}))
         return out
 
+    def create(self, name: str, spec: ContainerSpec, env: dict[str, str]) -> str:
+        cid = create(self.shells[name], spec, env)
+        self.logs[name].write(f"prepared {prepared_name(spec)} {cid[:12]} (created, not started)")
+        return cid
+
     def stop(self, name: str) -> list[Container]:
-        gone = remove_all(self.shells[name], self.dep.name)
+        gone = remove_all(self.shells[name], self.dep.name, keep=frozenset({self.prepared[name]}))
         self.logs[name].write("removed: " + (", ".join(c.describe() for c in gone) or "nothing to remove")
                               + f"; verified: no container of {self.dep.name} left")
         return gone
@@ -251,14 +287,14 @@ class _Launch:
                 self.ctx.say(f"  {name}: page-cache {escape(note)}")
         return msg
 
-    def start(self, name: str, spec: ContainerSpec, env: dict[str, str]) -> str:
+    def start(self, name: str, spec: ContainerSpec) -> str:
         if self.ctx.cancel.is_set():
             raise HostFailure("cancelled (Ctrl-C) before starting")
         t0 = time.monotonic()
-        for path, _what in spec.secret_files:     # SGLang's key file (orchestrator/apikey.py), before docker run
+        for path, _what in spec.secret_files:     # SGLang's key file (orchestrator/apikey.py), before it starts
             assert self.dep.api_key is not None
             write_secret_file(self.shells[name], path, apikey.sglang_config(self.dep.api_key))
-        cid = start(self.shells[name], spec, env)
+        cid = start(self.shells[name], spec, self.prepared[name])
         self.logs[name].write(f"started {spec.name} {cid[:12]} in {time.monotonic() - t0:.1f}s")
         return cid
 

@@ -4,13 +4,14 @@ whether the staged Engram rows are this host's rank's rows.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..outcomes import HostFailure
 from ..hostside.engram_checks import check_rank
-from ..hostside.engram_spec import LOCAL_NAME, RankMismatch
+from ..hostside.engram_spec import LOCAL_NAME, MANIFEST_NAME, RankMismatch
 from ..hostside.geometry import rank_ranges
 from .commands import read_argv
 from .containers import Container, parse_list
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 # manifest and engram-local.json (small) come back as text, for engram_checks.check_rank; the
 # file names are the staging stages' (hostside/engram_stage.py, hostside/ple_write.py).
 STAGED_SCRIPT = r"""
-import glob, json, os, sys
+import glob, hashlib, json, os, sys
 eng, ple = sys.argv[1], sys.argv[2]
 out = {}
 if eng:
@@ -38,7 +39,15 @@ if eng:
             texts[name] = None
     out["engram"] = {"dir": eng, "texts": texts}
 if ple:
-    out["ple"] = {"dir": ple,
+    digests = {}
+    for p in sorted(glob.glob(os.path.join(ple, "ple_table_*.bin.deployctl-manifest.json"))):
+        try:
+            with open(p, "rb") as f:
+                raw = f.read()
+            digests[os.path.basename(p)] = json.loads(raw).get("content_digest") or hashlib.sha256(raw).hexdigest()
+        except (OSError, ValueError, AttributeError):
+            digests[os.path.basename(p)] = None
+    out["ple"] = {"dir": ple, "digests": digests,
                   "tables": [[os.path.basename(p), os.path.getsize(p)]
                              for p in sorted(glob.glob(os.path.join(ple, "ple_table_*.bin")))],
                   # every table has its own manifest beside it (hostside/ple_write.py MANIFEST_SUFFIX)
@@ -98,6 +107,25 @@ def _json(lines: list[str], what: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise HostFailure(f"reading {what} failed: {text[-300:]!r}")
     return doc
+
+
+def table_digests(staged: dict[str, Any]) -> dict[str, str]:
+    """{"engram" | "ple": content digest} of what the host's staged tables hold, from their manifests
+    (the `content_digest` the stages record; the manifest's own sha256 for an older one). Empty for a
+    recipe with nothing on NVMe; "none" when a manifest is missing (launch's checks refuse that)."""
+    out: dict[str, str] = {}
+    if "engram" in staged:
+        text = (staged["engram"].get("texts") or {}).get(MANIFEST_NAME)
+        try:
+            doc = json.loads(text) if text else None
+        except ValueError:
+            doc = None
+        out["engram"] = ((doc.get("content_digest") if isinstance(doc, dict) else None)
+                         or (hashlib.sha256(text.encode()).hexdigest() if text else "none"))
+    if "ple" in staged:
+        digests = staged["ple"].get("digests") or {}
+        out["ple"] = hashlib.sha256(json.dumps(sorted(digests.items())).encode()).hexdigest() if digests else "none"
+    return out
 
 
 def expected_engram(dep: "Deployment", rank: int) -> dict[str, list[int]]:

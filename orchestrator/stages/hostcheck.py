@@ -29,8 +29,11 @@ class Probe:
     spec: dict[str, Any]
 
 
-def already_done(dep: "Deployment", probes: list[Probe], pyz: Path) -> dict[str, str]:
-    """{host: reason} for the hosts whose op reports `up_to_date`, asked in parallel."""
+def already_done(dep: "Deployment", probes: list[Probe], pyz: Path,
+                 why_not: dict[str, str] | None = None) -> dict[str, str]:
+    """{host: reason} for the hosts whose op reports `up_to_date`, asked in parallel. WHY_NOT, when
+    given, receives the op's reason for each host it answered as not current (e.g. a table its
+    proof found corrupt: the run's result then says why that host was restaged)."""
     from ..executors.ssh import SSHError, SSHTarget
 
     want = hashlib.sha256(pyz.read_bytes()).hexdigest()
@@ -44,6 +47,8 @@ def already_done(dep: "Deployment", probes: list[Probe], pyz: Path) -> dict[str,
             doc = json.loads(r.stdout.strip().splitlines()[-1]) if r.rc == 0 and r.stdout.strip() else {}
         except (SSHError, ValueError):
             return p.host, None
+        if doc.get("up_to_date") is False and why_not is not None and doc.get("reason"):
+            why_not[p.host] = str(doc["reason"])
         return p.host, (doc.get("reason") or "already done") if doc.get("up_to_date") is True else None
 
     by_host = {p.host: p for p in probes}

@@ -23,13 +23,15 @@ def plan(dep, options: RunOptions):
 
 
 def apply(dep, actions, ctx):
-    """Probe every host, refuse early, clear every host, start the head then the workers
+    """Probe every host, prove the staged tables it will serve (prove_tables.py: unless this run's
+    table stages did), refuse early, clear every host, start the head then the workers
     (orchestrator/launch/launcher.py): each host runs its action's planned ContainerSpec, bound to
     the fabric detected there; a cluster already running these specs is skipped."""
     # Imported here, not at the top: launcher reaches paramiko (executors/ssh.py), and planning must
     # not import the executors' libraries (tests/test_plan.py test_planning_is_pure). Not a cycle.
     from ..launch import launcher
-    return launcher.apply(dep, actions, ctx)
+    from .prove_tables import prove_host
+    return launcher.apply(dep, actions, ctx, prove=lambda sh, staged: prove_host(dep, sh, ctx, staged))
 
 
 STAGE = Stage("launch", plan, apply, "start the engine on every host")

@@ -158,8 +158,9 @@ def run_jobs(dep: "Deployment", actions: "list[Action]", ctx: "RunContext", *, s
     vars_path = ctx.write_json(f"{stage}-vars.json", extravars)   # ops can re-run it with -e @
     # Most re-runs find every host done already: one SSH round trip per host (manifests and stats
     # only) instead of Ansible's seconds of start-up.
+    why_not: dict[str, str] = {}
     current = already_done(dep, [Probe(j.host, j.pyz, with_stdin_spec(j.check_argv, j.spec_path), j.spec)
-                                 for j in jobs], pyz) if probe else {}
+                                 for j in jobs], pyz, why_not) if probe else {}
     logs = {}
     results: dict[str, HostResult] = {}
     for j in jobs:
@@ -169,6 +170,8 @@ def run_jobs(dep: "Deployment", actions: "list[Action]", ctx: "RunContext", *, s
             log.write(f"checked over SSH: {current[j.host]}")
             results[j.host] = HostResult(j.host, stage, "skipped", current[j.host])
         else:
+            if j.host in why_not:
+                log.write(f"checked over SSH: not current: {why_not[j.host]}")
             log.write(f"$ {shlex.join(j.argv)}")
             log.write(f"(ansible-playbook -i {dep.cluster.file} {playbook} -e @{vars_path} --limit {j.host})")
     todo = [j for j in jobs if j.host not in current]
@@ -184,6 +187,8 @@ def run_jobs(dep: "Deployment", actions: "list[Action]", ctx: "RunContext", *, s
                 if res[j.host].result_json:
                     logs[j.host].write("result: " + json.dumps(res[j.host].result_json))
                 results[j.host] = host_result(stage, j, res[j.host], describe)
+                if j.host in why_not and results[j.host].status == "ok":   # say why it was redone
+                    results[j.host].message += f" (the check found: {why_not[j.host]})"
         except Exception as e:  # the playbook could not run at all: every such host fails with the reason
             for j in todo:
                 results[j.host] = HostResult(j.host, stage, "failed",
@@ -191,6 +196,8 @@ def run_jobs(dep: "Deployment", actions: "list[Action]", ctx: "RunContext", *, s
     out = HostResults()
     for j in jobs:
         r, log = results[j.host], logs[j.host]
+        if r.status in ("ok", "skipped"):      # written and read back, or proven current: launch trusts it
+            ctx.state.proven.setdefault(j.host, set()).add(stage)
         if r.status == "failed":
             log.write(f"FAILED: {r.message}")
             r.tail = r.tail or log.tail()
