@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from ..hostside import bundle
 from ..outcomes import HostFailure
 from .hostcheck import with_stdin_spec
+from .stage_engram import STAGE_NAME as ENGRAM_STAGE, host_job as engram_job
+from .write_ple import STAGE_NAME as PLE_STAGE, host_job as ple_job, spec_for as ple_spec
 from .tableop import TableJob, timeout_for
 
 if TYPE_CHECKING:
@@ -31,12 +33,11 @@ CHECK_TIMEOUT_S = 300          # headers, the index and a 1 GiB sample; a touche
 
 def jobs_for(dep: "Deployment", host: "Host") -> dict[str, TableJob]:
     """{stage name: that stage's job on HOST} for the tables the engine reads from the host's NVMe."""
-    from . import stage_engram, write_ple
     r, out = dep.recipe, {}
     if r.engram and r.engram.placement == "nvme":
-        out[stage_engram.STAGE_NAME] = stage_engram.host_job(dep, host)
+        out[ENGRAM_STAGE] = engram_job(dep, host)
     if r.ple and r.ple.placement == "nvme":
-        out[write_ple.STAGE_NAME] = write_ple.host_job(dep, host, write_ple.spec_for(r))
+        out[PLE_STAGE] = ple_job(dep, host, ple_spec(r))
     return out
 
 
