@@ -19,6 +19,7 @@ start the head and the workers.
 from __future__ import annotations
 
 import os
+import shlex
 import time
 from typing import Any, Callable
 
@@ -30,6 +31,7 @@ from ..errors import DeployctlError, InputError
 from ..outcomes import HostFailure, HostResult
 from ..plan import Action
 from ..runrecord import HostLog, RunContext
+from ..secrets import mask_argv, register_named
 from . import api, probe
 from .containers import Container, memory_gate, remove_all, run_argv, start, write_secret_file
 from .fabric import Fabric, choose_fabric
@@ -46,8 +48,9 @@ def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostR
     environ = dict(os.environ)
     if dep.api_key is not None:      # ${DEPLOYCTL_API_KEY} in the engine env (orchestrator/apikey.py)
         environ[apikey.ENV_NAME] = dep.api_key.value
-    # A ${VAR} the operator has not set is bad input: say so before any host is touched.
-    expand_env(dep.recipe.engine.env, environ, str(dep.loaded.path))
+    # A ${VAR} the operator has not set is bad input: say so before any host is touched. What a
+    # secret-named variable expands to is masked from here on, in the logs and records of this run.
+    register_named(expand_env(dep.recipe.engine.env, environ, str(dep.loaded.path)))
     names = [a.host for a in actions]
     logs = {n: ctx.host_log(n, STAGE_NAME) for n in names}
     try:
@@ -181,7 +184,7 @@ class _Launch:
         ctx.say(f"  launching: {escape(why)}")
         for n in self.names:
             self.logs[n].write(f"launching ({why}): "
-                               f"{' '.join(run_argv(specs[n], self.dep.cluster.host(n).docker_host))}")
+                               f"{shlex.join(mask_argv(run_argv(specs[n], self.dep.cluster.host(n).docker_host)))}")
 
         # Every node is cleared before any starts. Ctrl-C from here on removes what was started.
         cleanup = _cleanup(dep, ctx, self.names)
