@@ -8,6 +8,7 @@ from .apikey import ApiKey, load_api_key
 from .errors import InputError
 from .inventory import Cluster, Host, load_inventory
 from .recipe import LoadedRecipe, Recipe, load_recipe
+from .secrets import register_named
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,10 @@ def load_deployment(inventory: str | Path | None, recipe: str | None = None,
         ref = str(p if p.is_absolute() else cluster.file.parent / p)
     loaded = load_recipe(ref, tuple(cluster.recipe_overrides) + tuple(sets))
     check_fit(cluster, loaded)
+    # Secret-named engine.env / engine.args values (hf-token, MY_SECRET ...) are masked like the API key
+    # wherever they turn up in text (secrets.py); argvs and mappings mask them by name anyway.
+    register_named(loaded.recipe.engine.env)
+    register_named(loaded.recipe.engine.args)
     return Deployment(cluster, loaded, load_api_key(cluster))
 
 

@@ -4,6 +4,10 @@
   events.jsonl     one JSON object a line: stage and action starts and ends
   logs/<host>/<stage>.log   everything a host printed for a stage
   status.json      the final status, written last (atomically)
+
+Everything written here goes through secrets.py: mask_data for the JSON documents and events,
+mask_text for log lines and progress. The secret values are looked up at each write (secrets=None), so
+a secret registered during the run (launch's expanded ${VAR}s) is masked from then on.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from typing import Any
 
 from .fsutil import atomic_write_text
 from .runoptions import RunOptions, RunState
-from .secrets import mask_data, mask_text, secret_values
+from .secrets import mask_data, mask_text
 
 TAIL_LINES = 20
 
@@ -25,7 +29,7 @@ TAIL_LINES = 20
 class HostLog:
     """A per-(host, stage) log file that masks secrets and keeps the last lines for errors."""
 
-    def __init__(self, path: Path, secrets: list[str], echo=None):
+    def __init__(self, path: Path, secrets: list[str] | None = None, echo=None):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._f = open(path, "a", buffering=1)
@@ -65,7 +69,7 @@ class RunContext:
     cancel: threading.Event = field(default_factory=threading.Event)
     console: Any = None                   # rich Console for progress, None when --json
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _secrets: list[str] = field(default_factory=secret_values)
+    _secrets: list[str] | None = None     # None: the secrets known at each write (secrets.secret_values)
 
     def __post_init__(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
 from .errors import InputError
+from .secrets import is_secret_name
 
 
 def _type_name(tp: Any) -> str:
@@ -30,6 +31,11 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _got(value: Any, path: str) -> str:
+    """The wrong value, for the error message; not under a secret-named key (engine.env.HF_TOKEN)."""
+    return "a value (not shown: the key names a secret)" if is_secret_name(path.rsplit(".", 1)[-1]) else repr(value)
+
+
 def convert(tp: Any, value: Any, path: str, file: str) -> Any:
     """Convert `value` to type `tp`, raising InputError naming file and key path."""
     origin = get_origin(tp)
@@ -37,7 +43,7 @@ def convert(tp: Any, value: Any, path: str, file: str) -> Any:
         return value
     if origin is Literal:
         if value not in get_args(tp):
-            raise InputError(f"expected {_type_name(tp)}, got {value!r}", file=file, key=path)
+            raise InputError(f"expected {_type_name(tp)}, got {_got(value, path)}", file=file, key=path)
         return value
     if origin in (Union, types.UnionType):
         args = get_args(tp)
@@ -52,35 +58,35 @@ def convert(tp: Any, value: Any, path: str, file: str) -> Any:
                 return convert(a, value, path, file)
             except InputError:
                 continue
-        raise InputError(f"expected {_type_name(tp)}, got {value!r}", file=file, key=path)
+        raise InputError(f"expected {_type_name(tp)}, got {_got(value, path)}", file=file, key=path)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path, file)
     if origin in (tuple, list):
         if not isinstance(value, list):
-            raise InputError(f"expected {_type_name(tp)}, got {value!r}", file=file, key=path)
+            raise InputError(f"expected {_type_name(tp)}, got {_got(value, path)}", file=file, key=path)
         (item,) = get_args(tp)[:1] or (Any,)
         return tuple(convert(item, v, f"{path}[{i}]", file) for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
-            raise InputError(f"expected a mapping, got {value!r}", file=file, key=path)
+            raise InputError(f"expected a mapping, got {_got(value, path)}", file=file, key=path)
         kt, vt = get_args(tp) or (Any, Any)
         return {convert(kt, k, f"{path}.{k}", file): convert(vt, v, f"{path}.{k}", file)
                 for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise InputError(f"expected true or false, got {value!r}", file=file, key=path)
+            raise InputError(f"expected true or false, got {_got(value, path)}", file=file, key=path)
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise InputError(f"expected an integer, got {value!r}", file=file, key=path)
+            raise InputError(f"expected an integer, got {_got(value, path)}", file=file, key=path)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InputError(f"expected a number, got {value!r}", file=file, key=path)
+            raise InputError(f"expected a number, got {_got(value, path)}", file=file, key=path)
         return float(value)
     if tp is str:
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise InputError(f"expected a string, got {value!r}", file=file, key=path)
+            raise InputError(f"expected a string, got {_got(value, path)}", file=file, key=path)
         return str(value)
     raise TypeError(f"schema: unsupported type {tp!r} at {path}")
 
@@ -88,7 +94,7 @@ def convert(tp: Any, value: Any, path: str, file: str) -> Any:
 def from_dict(cls: type, data: Any, path: str, file: str) -> Any:
     """Build dataclass `cls` from mapping `data`; unknown keys and missing keys are errors."""
     if not isinstance(data, dict):
-        raise InputError(f"expected a mapping, got {data!r}", file=file, key=path or "(top level)")
+        raise InputError(f"expected a mapping, got {_got(data, path)}", file=file, key=path or "(top level)")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(map(str, data)) - set(fields))

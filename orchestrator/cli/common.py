@@ -10,8 +10,18 @@ import click
 from rich.console import Console
 
 from ..errors import DeployctlError
+from ..secrets import mask_data, mask_text
 
-STDERR = Console(stderr=True, highlight=False, soft_wrap=True)   # long paths stay on one line
+
+class MaskingConsole(Console):
+    """A Console whose printed strings are masked (secrets.py): no error or failure message deployctl
+    prints can show a secret, wherever the text came from (a host's stderr, an exception)."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        super().print(*(mask_text(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+
+STDERR = MaskingConsole(stderr=True, highlight=False, soft_wrap=True)   # long paths stay on one line
 
 
 def inventory_option(f: Callable) -> Callable:
@@ -53,4 +63,5 @@ def handle_errors(f: Callable) -> Callable:
 
 
 def emit_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2, default=str))
+    """Every --json document (plans, dry runs, status, outcomes), masked like the run records."""
+    click.echo(json.dumps(mask_data(doc), indent=2, default=str))

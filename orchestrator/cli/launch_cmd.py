@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ..deployment import load_deployment
 from ..runoptions import RunOptions
+from ..secrets import mask_argv, mask_data
 from ..stages import build_plan
 from .common import STDERR, deployment_options, emit_json, handle_errors
 from .pipeline import run_host_command, run_stages
@@ -116,6 +117,7 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify):
     if verify:
         doc["tables_verified"] = _verify_tables(dep)
         bad_tables = any(not r.get("up_to_date") for rows in doc["tables_verified"].values() for r in rows.values())
+    doc = mask_data(doc)     # the table too: container errors and table reasons are hosts' text
     if as_json:
         emit_json(doc)
     else:
@@ -216,7 +218,7 @@ def down_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run):
         for host, argv in down_preview(dep):
             out.print(f"  [cyan]{host}[/cyan]: stop (docker stop -t 10) and remove (docker rm -f) every "
                       f"container listed by, then list again:")
-            out.print(f"      $ {escape(shlex.join(argv))}")
+            out.print(f"      $ {escape(shlex.join(mask_argv(argv)))}")
         return
     run_host_command(command="down", dep=dep, fn=lambda action, log: down_host(dep, action.host, log),
                      summary=f"stop and remove the containers of {dep.name}",

@@ -137,7 +137,7 @@ def _check_args(dep: Deployment) -> list[tuple[str, Any]]:
             raise InputError(f"flag names are given without dashes (write {flag.lstrip('-')!r})",
                              file=str(dep.loaded.path), key=f"engine.args.{flag}")
         if flag in reserved:
-            raise InputError(f"--{flag} is set by deployctl from {reserved[flag]}; change that instead",
+            raise InputError(f"--{flag}: deployctl sets it from {reserved[flag]}; change that instead",
                              file=str(dep.loaded.path), key=f"engine.args.{flag}")
     # false / null mean "leave the flag out".
     return [(k, v) for k, v in e.args.items() if v is not False and v is not None]

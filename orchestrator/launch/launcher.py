@@ -19,6 +19,7 @@ start the head and the workers.
 from __future__ import annotations
 
 import os
+import shlex
 import time
 from typing import Any, Callable
 
@@ -30,6 +31,7 @@ from ..errors import DeployctlError, InputError
 from ..outcomes import HostFailure, HostResult
 from ..plan import Action
 from ..runrecord import HostLog, RunContext
+from ..secrets import mask_argv, register_named
 from . import api, probe
 from .containers import (Container, create, discard, memory_gate, prepared_name, remove_all, run_argv, start,
                          write_secret_file)
@@ -52,8 +54,9 @@ def apply(dep: Deployment, actions: list[Action], ctx: RunContext, prove: Prover
     environ = dict(os.environ)
     if dep.api_key is not None:      # ${DEPLOYCTL_API_KEY} in the engine env (orchestrator/apikey.py)
         environ[apikey.ENV_NAME] = dep.api_key.value
-    # A ${VAR} the operator has not set is bad input: say so before any host is touched.
-    expand_env(dep.recipe.engine.env, environ, str(dep.loaded.path))
+    # A ${VAR} the operator has not set is bad input: say so before any host is touched. What a
+    # secret-named variable expands to is masked from here on, in the logs and records of this run.
+    register_named(expand_env(dep.recipe.engine.env, environ, str(dep.loaded.path)))
     names = [a.host for a in actions]
     logs = {n: ctx.host_log(n, STAGE_NAME) for n in names}
     try:
@@ -202,7 +205,7 @@ class _Launch:
         ctx.say(f"  launching: {escape(why)}")
         for n in self.names:
             self.logs[n].write(f"launching ({why}): "
-                               f"{' '.join(run_argv(specs[n], self.dep.cluster.host(n).docker_host))}")
+                               f"{shlex.join(mask_argv(run_argv(specs[n], self.dep.cluster.host(n).docker_host)))}")
 
         # Prepare before destroy: every new container is created beside the running one first; what
         # Docker refuses leaves the running deployment as it is.
