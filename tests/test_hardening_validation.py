@@ -1,6 +1,6 @@
 """Issue #14 (hardening): bad values are refused at load time, exit 2, naming the file and key they
-came from (the recipe file, the inventory's key, or --set); run records stay inside run_dir.
-No host, no cluster, no Docker."""
+came from (the recipe file, the inventory's key, or --set); run records stay inside run_dir; a
+host-side op killed by a signal says which signal and why. No host, no cluster, no Docker."""
 from __future__ import annotations
 
 import os
@@ -20,6 +20,7 @@ from orchestrator.inventory import load_inventory
 from orchestrator.paths import INVENTORIES_DIR, RECIPES_DIR
 from orchestrator.recipe import load_recipe
 from orchestrator.runrecord import new_run_dir
+from orchestrator.signals import describe_exit, exit_text, signal_of
 
 ROOT = Path(__file__).resolve().parent.parent
 SPARK4 = INVENTORIES_DIR / "spark4.yml"
@@ -329,3 +330,110 @@ def test_cli_names_the_inventory_for_its_recipe_override(tmp_path):
     p = cli(tmp_path, "up", "--dry-run", "-i", str(inv))
     assert p.returncode == 2
     assert f"{inv}:" in p.stderr and "all.vars.recipe_overrides.engine.shm_size" in p.stderr
+
+
+# -- signals: one decoder, used by every host-side result ----------------------------------------------
+
+@pytest.mark.parametrize("rc, kw, needles", [
+    (137, {}, ["killed by SIGKILL (rc 137)", "OOM killer", "dmesg", "operator's kill"]),
+    (-9, {}, ["killed by SIGKILL (rc -9)", "OOM killer"]),
+    (143, {}, ["killed by SIGTERM (rc 143)", "shutdown or an operator"]),
+    (-15, {}, ["SIGTERM (rc -15)"]),
+    (139, {}, ["SIGSEGV", "segmentation fault"]),
+    (135, {}, ["SIGBUS", "bus error"]),
+    (134, {}, ["SIGABRT"]),
+    (130, {}, ["SIGINT"]),
+    (124, {"time_limit_s": 600}, ["did not finish within 600 s", "`timeout`", "rc 124"]),
+    (137, {"time_limit_s": 600}, ["SIGKILL (rc 137)", "time limit of 600 s", "`timeout -k`", "dmesg"]),
+    (-9, {"time_limit_s": 90.5}, ["time limit of 90.5 s"]),
+    (-1, {"ssh": True}, ["killed by a signal", "rc -1", "OOM killer"]),
+    (-1, {"ssh": True, "time_limit_s": 60}, ["60 s", "timeout -k", "dmesg"]),
+    (-1, {}, ["SIGHUP"]),                        # subprocess's -1 is SIGHUP; only paramiko's is "unknown"
+])
+def test_describe_exit(rc, kw, needles):
+    text = describe_exit(rc, **kw)
+    for n in needles:
+        assert n in text, text
+
+
+@pytest.mark.parametrize("rc", [None, 0, 1, 2, 30, 124, 125, 126, 127, 128, 255, 200])
+def test_ordinary_exit_codes_are_not_signals(rc):
+    assert describe_exit(rc) is None and (rc is None or signal_of(rc) is None)
+    if rc is not None:
+        assert exit_text(rc) == f"exited {rc}"
+
+
+def test_table_op_killed_says_which_signal():
+    from orchestrator.executors.ansible import PlaybookHostResult
+    from orchestrator.stages.tableop import TableJob, host_result
+    job = TableJob("s1", "engram-stage", "/n/.deployctl", "/n/p.pyz", "/n/s.json", {}, ("python3",), 0, 700)
+    for rc, needle in ((137, "was killed by SIGKILL (rc 137): its time limit of 700 s"),
+                       (-9, "SIGKILL (rc -9)"), (124, "did not finish within 700 s on the host"),
+                       (-11, "was killed by SIGSEGV")):
+        r = host_result("stage-engram", job, PlaybookHostResult("s1", False, rc, "non-zero return code"),
+                        lambda j, d: None)
+        assert r.status == "failed" and r.message.startswith("engram-stage "), r.message
+        assert needle in r.message, r.message
+    r = host_result("stage-engram", job, PlaybookHostResult("s1", False, 1, "non-zero return code"),
+                    lambda j, d: None)
+    assert r.message == "non-zero return code"
+
+
+def test_ansible_task_killed_says_which_signal():
+    from orchestrator.executors.ansible import _HostState, _host_result
+    st = _HostState("s1")
+    st.failed = {"task": "Stage", "json": None,
+                 "res": {"rc": -9, "msg": "non-zero return code", "stderr": "loading rows\n"}}
+    r = _host_result(st, "failed", 2, 60, {})
+    assert r.rc == -9 and "killed by SIGKILL (rc -9)" in r.msg and "non-zero return code" not in r.msg
+    assert r.msg.endswith("its last stderr line: loading rows")
+
+
+def test_rsync_ship_and_modelsync_name_the_signal():
+    from orchestrator.modelsync.rsync import explain as rsync_explain
+    from orchestrator.ship.transfer import explain as ship_explain
+    msg = rsync_explain(-1, "", "w1", "192.0.2.2", "/m", 60, 900)
+    assert "killed by a signal" in msg and "900 s" in msg and "re-run to resume" in msg
+    assert "did not finish within 900s" in rsync_explain(124, "", "w1", "192.0.2.2", "/m", 60, 900)
+    assert "docker load was killed by SIGKILL (rc -9)" in ship_explain("w1", {"rc": -9})
+    assert ship_explain("w1", {"rc": 1}) == "docker load exited 1"
+    assert "; it was killed by SIGTERM" in ship_explain("w1", {"rc": -15, "error": "ssh to w1 exited -15"})
+    # the agent killed that ssh itself (a stall, the deadline): its rc is ours, not the host's
+    assert ship_explain("w1", {"rc": -9, "killed": True, "error": "w1 took no bytes"}) == "w1 took no bytes"
+
+
+def test_ship_relay_reports_a_signal_as_a_shell_does():
+    from orchestrator.hostside.ship_relay import shell_status
+    assert [shell_status(rc) for rc in (0, 1, -9, -15)] == [0, 1, 137, 143]
+    assert "SIGKILL (rc 137)" in describe_exit(shell_status(-9))
+
+
+def test_modelsync_host_script_killed(monkeypatch):
+    from orchestrator.executors.ssh import Result
+    from orchestrator.modelsync import remote
+    from orchestrator.modelsync.jobs import HostsideOp
+    from orchestrator.outcomes import HostFailure
+
+    class Session:
+        class target:
+            host = "s2"
+
+        def run(self, argv, timeout, stdin):
+            return Result(137, "", "progress 1\n")
+
+    with pytest.raises(HostFailure) as e:
+        remote.hostside(Session(), HostsideOp("verify", ()))
+    assert "sync-model's host script (verify) was killed by SIGKILL (rc 137)" in str(e.value)
+    assert e.value.rc == 137
+
+
+def test_ssh_check_names_the_signal():
+    from orchestrator.executors.ssh import Result, SSHError, SSHSession, SSHTarget
+    s = object.__new__(SSHSession)          # no connection: only check()'s wording is under test
+    s.target = SSHTarget("s1", "192.0.2.1")
+    for rc, needle in ((137, "`df -k /n` was killed by SIGKILL (rc 137)"), (-1, "killed by a signal or lost its "
+                       "connection (SSH gave no exit status, rc -1)"), (3, "`df -k /n` exited 3")):
+        s.run = lambda argv, timeout, stdin, rc=rc: Result(rc, "", "")
+        with pytest.raises(SSHError) as e:
+            s.check(["df", "-k", "/n"])
+        assert needle in str(e.value), str(e.value)
