@@ -7,7 +7,7 @@ from pathlib import Path, PurePosixPath
 from .apikey import ApiKey, load_api_key
 from .errors import InputError
 from .inventory import Cluster, Host, load_inventory
-from .recipe import LoadedRecipe, Recipe, load_recipe
+from .recipe import LoadedRecipe, Recipe, load_recipe, resolve_path
 from .secrets import register_named
 
 
@@ -67,17 +67,29 @@ def load_deployment(inventory: str | Path | None, recipe: str | None = None,
     if not ref:
         raise InputError("no recipe: pass --recipe or set all.vars.recipe", file=str(cluster.file),
                          key="all.vars.recipe")
-    if not recipe and ("/" in ref or ref.endswith((".yml", ".yaml"))):
-        # A path in the inventory is relative to the inventory file.
-        p = Path(ref)
-        ref = str(p if p.is_absolute() else cluster.file.parent / p)
-    loaded = load_recipe(ref, tuple(cluster.recipe_overrides) + tuple(sets))
+    if not recipe:
+        ref = _inventory_recipe(cluster, str(ref))
+    loaded = load_recipe(ref, (*cluster.recipe_overrides, *sets))
     check_fit(cluster, loaded)
     # Secret-named engine.env / engine.args values (hf-token, MY_SECRET ...) are masked like the API key
     # wherever they turn up in text (secrets.py); argvs and mappings mask them by name anyway.
     register_named(loaded.recipe.engine.env)
     register_named(loaded.recipe.engine.args)
     return Deployment(cluster, loaded, load_api_key(cluster))
+
+
+def _inventory_recipe(cluster: Cluster, ref: str) -> str:
+    """The recipe file all.vars.recipe names: its errors name the inventory's key, not --recipe."""
+    if "/" in ref or ref.endswith((".yml", ".yaml")):
+        p = Path(ref)                     # a path in the inventory is relative to the inventory file
+        p = p if p.is_absolute() else cluster.file.parent / p
+        if not p.is_file():
+            raise InputError(f"no recipe file {str(p)!r}", file=str(cluster.file), key="all.vars.recipe")
+        return str(p)
+    try:
+        return str(resolve_path(ref))
+    except InputError as e:
+        raise InputError(e.detail, file=str(cluster.file), key="all.vars.recipe") from None
 
 
 def check_fit(cluster: Cluster, loaded: LoadedRecipe) -> None:

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import yamlfile
+from . import checks, yamlfile
 from .errors import InputError
 from .hardware import KINDS
+from .overrides import Override
 from .paths import INVENTORIES_DIR
 
 HOST_KEYS = {
@@ -85,7 +86,7 @@ class Cluster:
     hosts: tuple[Host, ...]              # sorted by rank
     known_hosts_file: str | None = None
     host_key_checking: bool = True
-    recipe_overrides: tuple[str, ...] = ()
+    recipe_overrides: tuple[Override, ...] = ()   # each knows its key in this file
     run_dir: str = "runs"
     api_key_file: str | None = None      # where the serving API key is (orchestrator/apikey.py) ...
     api_key_env: str | None = None       # ... or the environment variable holding it
@@ -138,6 +139,12 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     def err(msg: str, key: str) -> InputError:
         return InputError(msg, file=file, key=key, line=raw.lines.get(key))
 
+    def check(rule: checks.Check, value: Any, key: str) -> None:
+        try:
+            rule(value, file, key)
+        except InputError as e:
+            raise err(e.detail, key) from None
+
     if set(raw) != {"all"}:
         extra = sorted(set(raw) - {"all"})
         raise err(f"expected one top-level group 'all' (got {extra or 'nothing'})",
@@ -185,6 +192,15 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     overrides = cvars.get("recipe_overrides") or {}
     if not isinstance(overrides, dict):
         raise err("expected a mapping of recipe key.path: value", "all.vars.recipe_overrides")
+    # The deployment name goes into container names and run-record folders (runs/<stamp>-<name>-...)
+    deployment = str(cvars.get("deployment") or p.stem)
+    try:
+        checks.name(deployment, file, "all.vars.deployment")
+    except InputError as e:
+        why = "" if cvars.get("deployment") else " (all.vars.deployment is unset: the name is this file's stem)"
+        raise err(e.detail + why, "all.vars.deployment") from None
+    for k in ("recipe", "known_hosts_file", "run_dir", "api_key_file"):
+        check(checks.path, cvars.get(k), f"all.vars.{k}")
     api_port = cvars.get("api_port")
     if api_port is not None and (not isinstance(api_port, int) or not 0 < api_port < 65536):
         raise err(f"expected a TCP port number, got {api_port!r}", "all.vars.api_port")
@@ -202,7 +218,7 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         kf = Path(_expand(key_file) or "")
         key_file = str(kf if kf.is_absolute() else p.parent / kf)
     return Cluster(
-        name=str(cvars.get("deployment") or p.stem),
+        name=deployment,
         file=p,
         recipe=cvars.get("recipe"),
         head=str(head),
@@ -210,7 +226,7 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         hosts=tuple(hosts),
         known_hosts_file=_expand(cvars.get("known_hosts_file")),
         host_key_checking=hkc,
-        recipe_overrides=tuple(f"{k}={_yaml_scalar(v)}" for k, v in overrides.items()),
+        recipe_overrides=tuple(_override(k, v, file, raw.lines) for k, v in overrides.items()),
         run_dir=str(cvars.get("run_dir", "runs")),
         api_key_file=key_file,
         api_key_env=key_env,
@@ -221,6 +237,17 @@ def _host(name: str, hv: dict, key: str, file: str, lines: dict[str, int]) -> Ho
     def err(msg: str, sub: str) -> InputError:
         k = f"{key}.{sub}" if sub else key
         return InputError(f"host {name}: {msg}", file=file, key=k, line=lines.get(k) or lines.get(key))
+
+    def check(rule: checks.Check, sub: str) -> None:
+        try:
+            rule(hv.get(sub), file, sub)
+        except InputError as e:
+            raise err(e.detail, sub) from None
+
+    try:        # the host's name is part of its container's name and of its log folder
+        checks.name(name, file, key)
+    except InputError as e:
+        raise err(e.detail, "") from None
 
     for k in hv:
         if not k.startswith("ansible_") and k not in HOST_KEYS and k not in CLUSTER_KEYS:
@@ -241,8 +268,14 @@ def _host(name: str, hv: dict, key: str, file: str, lines: dict[str, int]) -> Ho
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
         raise err(f"gpus must be a non-negative integer, got {gpus!r}", "gpus")
     port = hv.get("ansible_port", 22)
-    if isinstance(port, bool) or not isinstance(port, int):
-        raise err(f"ansible_port must be an integer, got {port!r}", "ansible_port")
+    if "ansible_port" in hv:
+        check(checks.port, "ansible_port")
+    for sub in ("nvme_dir", "model_cache"):
+        if not isinstance(hv[sub], str) or not hv[sub].strip():
+            raise err(f"{sub} must be a folder path, got {hv[sub]!r}", sub)
+    for sub in ("nvme_dir", "model_cache", "docker_host", "ansible_ssh_private_key_file", "fabric_iface",
+                "fabric_address", "expect_arch"):
+        check(checks.path, sub)
     expect_gpus = hv.get("expect_gpus", True)
     if not isinstance(expect_gpus, bool):
         raise err(f"expect_gpus must be true or false, got {expect_gpus!r}", "expect_gpus")
@@ -271,6 +304,7 @@ def _expand(p: Any) -> str | None:
     return os.path.expanduser(str(p)) if p else None
 
 
-def _yaml_scalar(v: Any) -> str:
+def _override(path: Any, value: Any, file: str, lines: dict[str, int]) -> Override:
     # JSON is valid YAML: the value round-trips through parse_set unchanged (a string stays a string).
-    return json.dumps(v)
+    key = f"all.vars.recipe_overrides.{path}"
+    return Override(f"{path}={json.dumps(value)}", file, key, lines.get(key))

@@ -1,22 +1,22 @@
 """Recipes: what to serve and how (model facts, table geometry, engine arguments).
 
 A recipe is a YAML file in recipes/ (or any path). It is loaded into frozen
-dataclasses; unknown keys are errors; `--set key.path=value` overrides any field
-before validation, so an override goes through the same checks as the file.
+dataclasses; unknown keys are errors; `--set key.path=value` (and an inventory's
+recipe_overrides) overrides any field before validation, so an override goes through
+the same checks as the file, and its errors name where it came from (overrides.py).
+Value rules (ports, counts, sizes, image references, paths) are in checks.py.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
-import yaml
-
-from . import schema, yamlfile
+from . import checks, schema, yamlfile
 from .errors import InputError
+from .overrides import Override, apply, as_override, blame
 from .paths import RECIPES_DIR
 from .hostside.geometry import TableGeometry
 
@@ -51,6 +51,11 @@ class EngramSpec:
     # every row from the checkpoint folder).
     local_dir_env: str | None = "DSV41_ENGRAM_DIR"
 
+    def validate(self, path: str, file: str) -> None:
+        # a negative margin would silently turn the NVMe free-space guard off
+        checks.fields(self, path, file, non_negative=("free_margin_gb",), count=("scale_values_per_row",),
+                      subdir=("subdir",))
+
 
 @dataclass(frozen=True)
 class PleSpec:
@@ -72,6 +77,12 @@ class PleSpec:
     min_host_ram_gb: float = 64.0        # pinned placement: available RAM the host needs
     free_margin_gb: float = 5.0
 
+    def validate(self, path: str, file: str) -> None:
+        checks.fields(self, path, file,
+                      count=("shards", "make_ngram_vocab_size_divisible_by", "split_ngram_parts"),
+                      non_negative=("page_cache_budget_gib", "min_host_ram_gb", "free_margin_gb"),
+                      subdir=("subdir",))
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -91,6 +102,11 @@ class ModelSpec:
     max_context: int = 0
 
     def validate(self, path: str, file: str) -> None:
+        checks.hf_repo(self.repo, file, f"{path}.repo")
+        # revision and checkpoint_dir are folders below the host's model_cache (snapshots/REV)
+        checks.fields(self, path, file, subdir=("revision", "checkpoint_dir"), path=("shared_path",),
+                      non_negative=("checkpoint_gb", "params_b", "active_params_b", "kv_bytes_per_token",
+                                    "max_context"))
         if self.shared_path and not self.shared_path.startswith("/"):
             raise InputError(f"must be an absolute path (the mount point on every node), got "
                              f"{self.shared_path!r}", file=file, key=f"{path}.shared_path")
@@ -106,6 +122,7 @@ class Parallelism:
     gpus_per_node: int = 1
 
     def validate(self, path: str, file: str) -> None:
+        checks.fields(self, path, file, count=("tensor_parallel", "nodes", "gpus_per_node"))
         if self.tensor_parallel != self.nodes * self.gpus_per_node:
             raise InputError(f"tensor_parallel {self.tensor_parallel} != nodes {self.nodes} x "
                              f"gpus_per_node {self.gpus_per_node}", file=file,
@@ -152,12 +169,15 @@ class EngineSpec:
     nccl_roce_env: dict[str, str] = field(default_factory=dict)
 
     def validate(self, path: str, file: str) -> None:
-        import re
-        for name in ("memory_limit", "memory_swap"):
-            v = getattr(self, name)
-            if v and not re.fullmatch(r"[0-9]+[bkmgBKMG]?", v):
-                raise InputError(f"expected a docker memory size such as 112g, got {v!r}",
-                                 file=file, key=f"{path}.{name}")
+        checks.fields(self, path, file, port=("port", "master_port"), size=("shm_size",), image=("image",),
+                      path=("model", "chain", "cache_dir", "cache_mount"))
+        if self.memory_limit:
+            checks.docker_size(self.memory_limit, file, f"{path}.memory_limit")
+        if self.memory_swap:
+            checks.docker_size(self.memory_swap, file, f"{path}.memory_swap", swap=True)
+        if self.container_name:
+            checks.name(self.container_name, file, f"{path}.container_name")
+        checks.engine_args(self.kind, self.args, file, f"{path}.args")
         if self.memory_swap and not self.memory_limit:
             raise InputError("memory_swap needs memory_limit (docker refuses --memory-swap alone)",
                              file=file, key=f"{path}.memory_swap")
@@ -179,6 +199,12 @@ class HealthSpec:
     max_tokens: int = 50
     stay_up_s: float = 10.0              # containers must stay running this long after answering
 
+    def validate(self, path: str, file: str) -> None:
+        # 0 or less would never wait for the engines, or poll them in a busy loop
+        checks.fields(self, path, file,
+                      positive=("startup_timeout_s", "poll_interval_s", "request_timeout_s"),
+                      count=("max_tokens",), non_negative=("stay_up_s",))
+
 
 @dataclass(frozen=True)
 class BenchPoint:
@@ -188,6 +214,10 @@ class BenchPoint:
     itl_ms: float | None = None
     latency_s: float | None = None
     rps: float | None = None
+
+    def validate(self, path: str, file: str) -> None:
+        checks.fields(self, path, file, count=("concurrency",),
+                      non_negative=("ttft_ms", "tps", "itl_ms", "latency_s", "rps"))
 
 
 @dataclass(frozen=True)
@@ -200,6 +230,10 @@ class BenchSpec:
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     tolerance: float = 0.15              # a regression is worse than reference by more than this
     reference: tuple[BenchPoint, ...] = ()
+
+    def validate(self, path: str, file: str) -> None:
+        checks.fields(self, path, file, count=("input_tokens", "max_tokens", "rounds", "concurrency"),
+                      positive=("ttft_slo_ms", "tps_slo"), non_negative=("tolerance",))
 
 
 @dataclass(frozen=True)
@@ -291,48 +325,17 @@ def resolve_path(name_or_path: str) -> Path:
     return candidate
 
 
-def parse_set(expr: str) -> tuple[list[str], Any]:
-    """`a.b.c=value` -> (['a','b','c'], parsed YAML value)."""
-    if "=" not in expr:
-        raise InputError(f"--set {expr!r}: expected key.path=value")
-    key, _, raw = expr.partition("=")
-    parts = [p for p in key.strip().split(".") if p]
-    if not parts:
-        raise InputError(f"--set {expr!r}: empty key path")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return parts, value
-
-
-def apply_overrides(data: dict, sets: list[str] | tuple[str, ...], source: str = "--set") -> dict:
-    """Apply `key.path=value` overrides to raw recipe data (a copy is returned).
-
-    The key path must already exist in the recipe or be a field of the schema
-    (checked when the result is converted); mappings such as engine.args and
-    engine.env may receive new keys.
-    """
-    out = copy.deepcopy(data)
-    for expr in sets:
-        parts, value = parse_set(expr)
-        node = out
-        for i, p in enumerate(parts[:-1]):
-            nxt = node.get(p) if isinstance(node, dict) else None
-            if nxt is None:
-                nxt = {}
-                node[p] = nxt
-            if not isinstance(nxt, dict):
-                raise InputError(f"{source} {expr!r}: {'.'.join(parts[:i + 1])} is not a mapping")
-            node = nxt
-        node[parts[-1]] = value
-    return out
-
-
-def load_recipe(name_or_path: str, sets: tuple[str, ...] | list[str] = ()) -> LoadedRecipe:
+def load_recipe(name_or_path: str, sets: Sequence[Override | str] = ()) -> LoadedRecipe:
+    """The recipe with the overrides applied in order: each an Override (an inventory's
+    recipe_overrides entry, which knows its file and key) or a `--set` string."""
     path = resolve_path(name_or_path)
     raw = yamlfile.load(path)
-    data = apply_overrides(dict(raw), sets)
-    recipe = schema.from_yaml(Recipe, data, raw.lines, str(path))
-    return LoadedRecipe(recipe, path, tuple(sets))
+    overrides = tuple(map(as_override, sets))
+    data, origins = apply(dict(raw), overrides)
+    try:
+        recipe = schema.from_dict(Recipe, data, "", str(path))
+    except InputError as e:
+        # a bad value an override set is the override's error, not the recipe file's
+        raise blame(e, origins) or schema.at_line(e, raw.lines) from None
+    return LoadedRecipe(recipe, path, tuple(o.expr for o in overrides))
 

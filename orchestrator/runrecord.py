@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import InputError
 from .fsutil import atomic_write_text
 from .runoptions import RunOptions, RunState
 from .secrets import mask_data, mask_text
@@ -105,8 +106,15 @@ class RunContext:
 
 
 def new_run_dir(root: str | Path, deployment: str, command: str) -> Path:
+    """A new folder runs/<stamp>-<deployment>-<command>[-N], always directly inside ROOT."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(root) / f"{stamp}-{deployment}-{command}"
+    leaf = f"{stamp}-{deployment}-{command}"
+    # The inventory's name rule (checks.name) already refuses these; a name that slips through by
+    # another way must still never put a run record (or anything a stage writes there) elsewhere.
+    if "/" in leaf or "\\" in leaf or "\0" in leaf or ".." in leaf:
+        raise InputError(f"deployment {deployment!r}: a run record's folder name must not contain "
+                         "'/', '..' or NUL", key="all.vars.deployment")
+    base = Path(root) / leaf
     p, i = base, 1
     while p.exists():
         i += 1

@@ -122,10 +122,15 @@ def from_yaml(cls: type, data: dict, lines: dict[str, int], file: str) -> Any:
     try:
         return from_dict(cls, data, "", file)
     except InputError as e:
-        line = lines.get(e.key or "") if e.key else None
-        if line and e.line is None:
-            raise InputError(e.detail, file=file, key=e.key, line=line) from None
-        raise
+        raise at_line(e, lines) from None
+
+
+def at_line(e: InputError, lines: dict[str, int]) -> InputError:
+    """E with the line of its key in the file (`lines` from yamlfile), when it has none yet."""
+    line = lines.get(e.key or "") if e.key else None
+    if line and e.line is None:
+        return InputError(e.detail, file=e.file, key=e.key, line=line)
+    return e
 
 
 def to_dict(obj: Any) -> Any:

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..signals import describe_exit
+
 TAIL_LINES = 20
 RESULT_FACT = "deployctl_result"
 
@@ -208,9 +210,14 @@ def _host_result(st: _HostState, status: str, rc: int | None, timeout_s: float,
     if st.failed is not None:
         res, doc = st.failed["res"], st.failed["json"]
         msg = (doc or {}).get("error") or res.get("msg") or "failed"
-        if not (doc or {}).get("error") and isinstance(res.get("stderr"), str) and res["stderr"].strip():
-            msg = f"{msg}: {res['stderr'].strip().splitlines()[-1]}"
         task_rc = res.get("rc") if isinstance(res.get("rc"), int) else None
+        killed = describe_exit(task_rc)
+        if killed and not (doc or {}).get("error"):
+            # the command module says only "non-zero return code" (rc -9 for a SIGKILL)
+            msg = f"the task's command {killed}" if msg == "non-zero return code" else f"{msg}; {killed}"
+        if not (doc or {}).get("error") and isinstance(res.get("stderr"), str) and res["stderr"].strip():
+            last = res["stderr"].strip().splitlines()[-1]
+            msg = f"{msg}; its last stderr line: {last}" if killed else f"{msg}: {last}"
         return PlaybookHostResult(st.host, False, task_rc, str(msg), list(st.tail), result,
                                   st.failed["task"], st.unreachable)
     done = st.host in (stats.get("processed") or {}) and not (stats.get("failures") or {}).get(st.host) \

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, BinaryIO, Callable, Iterable, Sequence
 import paramiko
 
 from ..errors import DeployctlError
+from ..signals import exit_text
 
 if TYPE_CHECKING:
     from ..inventory import Cluster, Host
@@ -237,7 +238,7 @@ class SSHSession:
         """run(), raising SSHError (with the command, code and output tail) unless it exits 0."""
         r = self.run(argv, timeout=timeout, stdin=stdin)
         if r.rc != 0:
-            raise SSHError(self.target.host, f"`{command_line(argv)}` exited {r.rc}"
+            raise SSHError(self.target.host, f"`{command_line(argv)}` {exit_text(r.rc, ssh=True)}"
                            + _tail_note(r.stdout.encode(), r.stderr.encode()))
         return r
 
@@ -416,8 +417,9 @@ class RemoteExec:
             while not self.ch.send_ready():
                 self._drain()
                 if self.ch.exit_status_ready() or self.ch.closed:
-                    raise SSHError(self.host, f"`{self.cmd}` ended (rc {self.ch.recv_exit_status()}) after "
-                                   f"{self.bytes_sent} bytes of input" + _tail_note(self._out, self._err))
+                    how = exit_text(self.ch.recv_exit_status(), ssh=True)
+                    raise SSHError(self.host, f"`{self.cmd}` ended after {self.bytes_sent} bytes of input: "
+                                   f"it {how}" + _tail_note(self._out, self._err))
                 if time.monotonic() > deadline:
                     raise SSHTimeout(self.host, f"`{self.cmd}` took no input for {self.idle_timeout:g}s "
                                      f"after {self.bytes_sent} bytes" + _tail_note(self._out, self._err))

@@ -35,6 +35,11 @@ class TableGeometry:
                 raise InputError("must be >= 1", file=file, key=f"{path}.{name}")
         if not self.layers:
             raise InputError("needs at least one layer", file=file, key=f"{path}.layers")
+        # sizes and orders are > 0 (a vocabulary of 0 makes no primes); layers are indices >= 0
+        for name, low in (("vocab_per_order", 1), ("orders", 1), ("layers", 0)):
+            for i, v in enumerate(getattr(self, name)):
+                if v < low:
+                    raise InputError(f"must be >= {low}, got {v}", file=file, key=f"{path}.{name}[{i}]")
 
 
 _SMALL_PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)

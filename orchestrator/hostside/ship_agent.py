@@ -70,6 +70,7 @@ class Worker:
         self.bytes = 0
         self.error: str | None = None          # set once: the first reason this worker failed
         self.kind: str | None = None           # stall | ssh | save | deadline | aborted
+        self.killed = False                    # this agent killed its ssh: its rc says nothing then
         self.blocked_since: float | None = None
         self.first_byte: float | None = None
         self.last_byte: float | None = None
@@ -95,6 +96,7 @@ class Worker:
     def kill(self) -> None:
         p = self.proc
         if p is not None and p.poll() is None:
+            self.killed = True
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except OSError:
@@ -172,7 +174,7 @@ class Worker:
         rc = self.proc.poll() if self.proc else None
         stream_s = (self.last_byte - self.first_byte) if self.first_byte and self.last_byte else 0.0
         return {"ok": self.error is None and rc == 0, "rc": rc, "error": self.error, "kind": self.kind,
-                "bytes": self.bytes, "stream_s": round(stream_s, 3), "tail": list(self.tail)}
+                "killed": self.killed, "bytes": self.bytes, "stream_s": round(stream_s, 3), "tail": list(self.tail)}
 
 
 class Agent:

@@ -23,6 +23,12 @@ def frame(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
+def shell_status(rc: int) -> int:
+    """A child's status as a shell reports it: killed by signal N (Popen's -N) is 128+N, which the
+    head decodes (orchestrator/signals.py); exiting with -9 itself would report 247."""
+    return 128 - rc if rc < 0 else rc
+
+
 def main(argv: list[str]) -> int:
     idle, cmd = float(argv[0]), argv[1:]
     load = subprocess.Popen(cmd, stdin=subprocess.PIPE)
@@ -40,7 +46,7 @@ def main(argv: list[str]) -> int:
         ready, _, _ = select.select([0], [], [], 1.0)
         if not ready:
             if load.poll() is not None:
-                return load.returncode or 1          # docker load ended early: its output says why
+                return shell_status(load.returncode) or 1   # docker load ended early: its output says why
             if time.monotonic() - last > idle:
                 return stop(f"no data from the head for {idle:g}s")
             continue
@@ -53,14 +59,14 @@ def main(argv: list[str]) -> int:
             (n,) = HEADER.unpack_from(buf)
             if n == END:
                 load.stdin.close()
-                return load.wait()
+                return shell_status(load.wait())
             if len(buf) < HEADER.size + n:
                 break
             if n:
                 try:
                     load.stdin.write(buf[HEADER.size:HEADER.size + n])
                 except (BrokenPipeError, OSError):
-                    return load.wait() or 1
+                    return shell_status(load.wait()) or 1
             del buf[:HEADER.size + n]
 
 

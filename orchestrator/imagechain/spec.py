@@ -27,7 +27,7 @@ from typing import Literal
 
 import jinja2
 
-from .. import schema, yamlfile
+from .. import checks, schema, yamlfile
 from ..errors import InputError
 from ..paths import DOCKERFILES_DIR
 
@@ -201,6 +201,9 @@ class BaseLock:
     source: str | None = None             # registry | repo-digests | local-only
     resolved_at: str | None = None
     note: str = ""
+
+    def validate(self, path: str, file: str) -> None:
+        checks.image_ref(self.image, file, f"{path}.image")
 
 
 @dataclass(frozen=True)

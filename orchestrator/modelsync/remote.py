@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..outcomes import HostFailure
+from ..signals import exit_text
 from ..hostside.modelsync import BOOTSTRAP
 
 if TYPE_CHECKING:
@@ -48,7 +49,8 @@ def hostside(session: "SSHSession", job: "HostsideOp", data: bytes = b"", timeou
         err = next((x[len("error: "):] for x in reversed(lines) if x.startswith("error: ")), "")
         if r.rc == 127:
             err = "python3 is not installed on the host (sync-model runs a small stdlib script there)"
-        raise HostFailure(err or f"sync-model's host script ({op}) exited {r.rc}", rc=r.rc, tail=lines[-10:])
+        raise HostFailure(err or f"sync-model's host script ({op}) {exit_text(r.rc, ssh=True)}", rc=r.rc,
+                          tail=lines[-10:])
     try:
         return json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

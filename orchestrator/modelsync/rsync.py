@@ -34,6 +34,7 @@ import shlex
 from dataclasses import dataclass
 
 from ..hostside.modelsync import PARTIAL_DIR    # one name for the host script and the argv
+from ..signals import describe_exit
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,10 @@ def explain(rc: int, stderr: str, worker: str, address: str, dst: str, io_timeou
     if rc == 124:
         return (f"the copy to {worker} did not finish within {total_timeout:g}s and was stopped; "
                 f"re-run to resume (partial data kept in {PARTIAL_DIR})")
+    # run over ssh under `timeout -k 10 TOTAL`: a KILL (the limit's, or the OOM killer's) is rc -1 there
+    killed = describe_exit(rc, time_limit_s=total_timeout, ssh=True)
+    if killed:
+        return f"rsync to {worker} {killed}; re-run to resume (partial data kept in {PARTIAL_DIR})"
     if rc == 30 or "timeout" in low:
         return (f"no data moved to {worker} ({address}) for {io_timeout:g}s (link down or host wedged?), "
                 f"rsync exit {rc}; re-run to resume (partial data kept in {PARTIAL_DIR})")

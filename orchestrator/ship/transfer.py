@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..executors.docker_cli import docker_argv
 from ..hostside.image_layers import layers_to_send, present_chains
+from ..signals import describe_exit, exit_text
 
 if TYPE_CHECKING:
     from ..executors.ssh import SSHSession
@@ -262,7 +263,8 @@ def run_agent(s: "SSHSession", spec: dict[str, Any], on_event: Callable[[dict], 
     # leaving the block closes the channel: the agent sees its stdin end and stops what it started
     if done is None:
         tail = err.strip().splitlines()[-10:]
-        raise ShipError(f"the ship agent on the head exited {rc} without a result", tail=tail, rc=rc)
+        raise ShipError(f"the ship agent on the head ended without a result: it {exit_text(rc, ssh=True)}",
+                        tail=tail, rc=rc)
     return done
 
 
@@ -288,7 +290,13 @@ def explain(name: str, res: dict[str, Any]) -> str:
     """One clear sentence for a failed worker result from the agent."""
     text = " ".join(res.get("tail") or []).lower()
     why = next((hint for key, hint in HINTS if key in text), None)
-    base = res.get("error") or f"docker load exited {res.get('rc')}"
+    # rc: the head's `ssh worker ... relay ... docker load` (Popen: -N for a signal; the relay
+    # reports docker load's own signal as 128+N); not when the agent killed that ssh itself
+    rc = res.get("rc")
+    killed = describe_exit(rc) if isinstance(rc, int) and not res.get("killed") else None
+    base = res.get("error") or f"docker load {killed or f'exited {rc}'}"
+    if killed and res.get("error"):
+        base = f"{base}; it {killed}"
     return f"{base}; {why}" if why else base
 
 

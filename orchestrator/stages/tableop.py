@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..outcomes import HostResult, HostResults, Status
 from ..hostside import bundle
+from ..signals import describe_exit
 from .hostcheck import Probe, already_done, with_stdin_spec
 
 if TYPE_CHECKING:
@@ -40,7 +41,6 @@ KILL_GRACE_S = 30                       # `timeout -k`: KILL this long after TER
 BASE_TIMEOUT_S = 600                    # python start, checks, the no-op, read-back
 MIN_RATE = 20e6                         # bytes/s assumed when sizing the per-host timeout
 PLAYBOOK_SLACK_S = 300                  # the whole playbook run: the longest host's timeout + this
-KILLED_RCS = (124, 137)                 # the host-side `timeout` stopped the op (TERM, then KILL)
 
 
 def host_python(host: "Host") -> str:
@@ -132,8 +132,9 @@ def host_result(stage: str, job: TableJob, res: Any, describe: Describe) -> Host
     doc = res.result_json or {}
     if not res.ok:
         msg = doc.get("error") or res.msg
-        if res.rc in KILLED_RCS and not doc.get("error"):
-            msg = f"{job.op_name} did not finish within {job.timeout_s} s on the host and was killed"
+        killed = describe_exit(res.rc, time_limit_s=job.timeout_s)    # the op runs under `timeout -k`
+        if killed and not doc.get("error"):
+            msg = f"{job.op_name} {killed}"
         if res.failed_task:
             msg = f"{msg} (task: {res.failed_task})"
         return HostResult(job.host, stage, "failed", msg, rc=res.rc, tail=res.stdout_tail, data=doc)
