@@ -228,9 +228,10 @@ def _launch(tmp_path, monkeypatch, kib: dict[str, int], *sets: str):
     monkeypatch.setattr(launcher.probe, "read_host", lambda *a, **k: probe.HostRead({}, {}, "sha256:" + "0" * 64, []))
     monkeypatch.setattr(launcher.probe, "engram_problem", lambda *a: None)
     monkeypatch.setattr(launcher, "choose_fabric", lambda n, *a, **k: Fabric("enp1s0f0np0", "10.0.0.1", (), "t"))
-    monkeypatch.setattr(launcher, "remove_all", lambda sh, name: [])
-    monkeypatch.setattr(launcher, "start", lambda sh, spec, env: started.append((sh.host.name, time.monotonic()))
-                        or f"{sh.host.name}-cid")
+    monkeypatch.setattr(launcher, "remove_all", lambda sh, name, keep=frozenset(): [])
+    monkeypatch.setattr(launcher, "create", lambda sh, spec, env: f"{sh.host.name}-cid")
+    monkeypatch.setattr(launcher, "start", lambda sh, spec, cid: started.append((sh.host.name, time.monotonic()))
+                        or cid)
     logs = {n: ctx.host_log(n, "launch") for n in names}
     planned = {a.host: a.job for a in build_plan(dep, ("launch",)).stage("launch").actions}
     out = launcher._Launch(dep, ctx, shells, planned, logs, {}).run()

@@ -15,6 +15,7 @@ from typing import Any
 from ..apikey import LABEL as API_KEY_LABEL
 from ..executors.docker_cli import docker_argv
 from ..outcomes import HostFailure
+from ..secrets import is_secret_name
 from .commands import list_argv, logs_argv
 from .memgate import GIB, MEMGATE_SH, mem_available_kib, memgate_argv, memgate_verdict  # noqa: F401
 from ..executors.shells import HostShell
@@ -173,8 +174,10 @@ PREPARED_SUFFIX = "-next"
 
 
 def secret_keys(spec: ContainerSpec) -> list[str]:
-    """Variables whose values refer to the operator's ${VAR}s (expanded only when starting)."""
-    return [k for k, v in spec.env.items() if env_references({k: v})]
+    """Variables passed through `--env-file /dev/stdin`, never on a command line: those referring to
+    the operator's ${VAR}s (expanded only when starting) and those whose name says secret (a literal
+    HF_TOKEN from the recipe or --set: not in the host's `ps` either)."""
+    return [k for k, v in spec.env.items() if env_references({k: v}) or is_secret_name(k)]
 
 
 def run_argv(spec: ContainerSpec, docker_host: str) -> list[str]:
