@@ -159,15 +159,21 @@ def vars_cmd(inventory, recipe, sets, pyz, bundle_dir):
 
 @click.command("stage")
 @deployment_options
+@click.option("--verify", is_flag=True,
+              help="Re-hash every staged chunk against the manifest (a mismatch fails the host and removes "
+                   "its manifest: the next run restages it).")
 @handle_errors
-def stage_command(inventory, recipe, sets, as_json, verbose, quiet):
+def stage_command(inventory, recipe, sets, as_json, verbose, quiet, verify):
     """Stage every host's Engram rows onto its NVMe, in parallel, through Ansible.
 
     Runs playbooks/stage-engram.yml (by hand: see its header). A host whose NVMe lacks the space
-    fails alone, before anything is written; the others carry on. Exit 1 if any host failed.
+    fails alone, before anything is written; the others carry on. A host already staged is proven
+    (docs/table-proof.md) and kept. Exit 1 if any host failed.
     """
+    from ..runoptions import RunOptions
     run_stages(command="stage", inventory=inventory, recipe=recipe, sets=tuple(sets),
-               only=("stage-engram",), as_json=as_json, verbose=verbose, quiet=quiet)
+               only=("stage-engram",), as_json=as_json, verbose=verbose, quiet=quiet,
+               options=RunOptions(verify=verify))
 
 
 def register(cli: click.Group) -> None:

@@ -29,7 +29,7 @@ DEFAULT_RECIPE = "qwen38-flash-next-spark"
 def ple_group(ctx, inventory, recipe, sets, as_json, verbose, quiet, verify):
     """Write Qwen's memory-mapped PLE table file on the target host (pipeline stage write-ple).
 
-    A file still valid for the same checkpoint and geometry is kept without being read.
+    A file still valid for the same checkpoint and geometry is kept once proven (docs/table-proof.md).
     `deployctl ple write` is the same operation on this machine.
     """
     if ctx.invoked_subcommand is None:

@@ -42,7 +42,7 @@ def jobs_for(dep: "Deployment", host: "Host") -> dict[str, TableJob]:
 
 
 def repair_command(stage: str, inventory: Path) -> str:
-    cmd = {"stage-engram": "stage", "write-ple": "ple write"}.get(stage, "up")
+    cmd = {"stage-engram": "stage", "write-ple": "ple"}.get(stage, "up")
     return f"deployctl {cmd} -i {inventory}"
 
 

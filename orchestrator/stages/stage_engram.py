@@ -124,8 +124,12 @@ def describe(job: TableJob, doc: dict[str, Any]) -> "tuple[Status, str] | None":
 
 
 def apply(dep: "Deployment", actions: list[Action], ctx: "RunContext") -> list[HostResult]:
+    jobs = [TableJob.of(a) for a in actions]
+    verify = ctx.options.verify
+    if verify:      # a run option, not part of the plan: the planned op plus --verify (every chunk re-hashed)
+        jobs = [j.with_flag("--verify", passes=2) for j in jobs]
     return run_jobs(dep, actions, ctx, stage=STAGE_NAME, playbook=PLAYBOOK, hosts_key=HOSTS_KEY,
-                       describe=describe)
+                    describe=describe, jobs=jobs, probe=not verify)
 
 
 STAGE = Stage(STAGE_NAME, plan, apply, "extract each rank's Engram rows onto its NVMe")
