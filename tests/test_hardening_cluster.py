@@ -143,6 +143,29 @@ def test_a_value_docker_refuses_leaves_the_deployment_running(cluster, hk4):
     assert json.loads(p.stdout)["api"]["healthy"] is True
 
 
+def test_secret_values_never_reach_what_deployctl_writes(cluster, hk4):
+    """A secret-named env value with spaces, set on the command line, reaches the engine whole and
+    appears nowhere deployctl writes: console, run record (plan, events, logs, status), status."""
+    inv = hk4["inv"]
+    secret = "s3cr3t value with spaces"
+    p = dctl("up", "-i", str(inv), "--only", "launch", "--only", "health",
+             "--set", f"engine.env.MY_SECRET={secret}", timeout=300)
+    assert p.returncode == 0, out(p)
+    seen = [out(p)]
+    run_dir = Path(re.search(r"run record (\S+)", unwrap(out(p))).group(1))
+    seen += [f.read_text(errors="replace") for f in run_dir.rglob("*") if f.is_file()]
+    st = dctl("status", "-i", str(inv), "--json", "--set", f"engine.env.MY_SECRET={secret}")
+    seen.append(out(st))
+    leaked = [t[:200] for t in seen if secret in t or "s3cr3t" in t]
+    assert not leaked, leaked
+    h = cluster.hosts[0]
+    (cid,) = containers(cluster, h.name, DEP)
+    doc = json.loads(_docker(h.docker_host, "inspect", cid).stdout)[0]
+    assert f"MY_SECRET={secret}" in doc["Config"]["Env"], "the engine gets the whole value"
+    p = dctl("up", "-i", str(inv), *STAGES, timeout=300)          # back to the fixture's spec
+    assert p.returncode == 0, out(p)
+
+
 def test_a_bad_value_is_refused_before_anything_is_touched(cluster, hk4):
     inv = hk4["inv"]
     before = _ids(cluster)
