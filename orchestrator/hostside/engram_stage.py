@@ -500,12 +500,13 @@ def _manifest(spec: Spec, sources: Sources, files: list[OutFile], mfiles: list[d
 
 
 def content_digest(sources: Sources, mfiles: list[dict[str, Any]]) -> str:
-    """What the engine reads from the folder, in one hash: the index and, per file, its header, chunk
-    hashes and inode (a restage renames new files into place: an engine started before still reads
-    the old ones through its open descriptors). Launch puts it in the container's spec digest, so a
-    restage restarts the engine; re-recording a stat does not change it."""
-    doc = [sources.index_sha256] + [[m["name"], m["size"], m["header_sha256"], m["sha256"], m.get("inode"),
-                                     (m.get("stat") or {}).get("ino")] for m in mfiles]
+    """What the engine reads from the folder, in one hash: the index and, per file, its header and
+    chunk hashes, and a random id of this staging (a restage renames new files into place, even with
+    the same bytes: an engine started before still reads the old ones through its open descriptors,
+    and a freed inode number is often reused, so neither content nor inode tells). Launch puts it in
+    the container's spec digest, so a restage restarts the engine; re-recording a stat does not."""
+    doc = [sources.index_sha256, os.urandom(16).hex()] + [[m["name"], m["size"], m["header_sha256"], m["sha256"],
+                                                           m.get("inode")] for m in mfiles]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 

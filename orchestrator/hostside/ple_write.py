@@ -124,11 +124,12 @@ def proven(dest: Path, name: str, man: dict, full_check: bool = False) -> tuple[
     return True, proof.summary(), proof.to_json()
 
 
-def content_digest(name: str, key: str, chunks: list[str], ino: int) -> str:
-    """What the engine maps, in one hash (file name, layout and source key, chunk hashes, and the
-    inode: a rewrite renames a new file into place, an engine started before still maps the old
-    one). Launch puts it in the container's spec digest, so a rewritten table restarts the engine."""
-    return hashlib.sha256(json.dumps([name, key, chunks, ino]).encode()).hexdigest()
+def content_digest(name: str, key: str, chunks: list[str]) -> str:
+    """What the engine maps, in one hash (file name, layout and source key, chunk hashes, and a random
+    id of this write: a rewrite renames a new file into place, even with the same bytes, and an engine
+    started before still maps the old one; a freed inode number is often reused, so it cannot tell).
+    Launch puts it in the container's spec digest, so a rewritten table restarts the engine."""
+    return hashlib.sha256(json.dumps([name, key, chunks, os.urandom(16).hex()]).encode()).hexdigest()
 
 
 # -- read-back check ----------------------------------------------------------------------------
@@ -317,7 +318,7 @@ def _write_one(spec: PleTableSpec, src: Source, table: RankTable, dest: Path, ch
                    "tensors": src.tensors, "config": src.config},
         "table_key": key,
         "stat": tableproof.stamp(final),
-        "content_digest": content_digest(name, key, res.chunks, final.stat().st_ino),
+        "content_digest": content_digest(name, key, res.chunks),
         "recipe": spec.recipe, "spec": spec.to_json(),
         "written": {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "seconds": round(res.seconds, 3), "preallocated": res.preallocated,
