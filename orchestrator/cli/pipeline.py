@@ -15,7 +15,7 @@ from ..runner import RunOutcome, describe_failure, run, say_results
 from ..runoptions import RunOptions
 from ..runrecord import HostLog, RunContext, new_run_dir
 from ..stages import build_plan, select
-from . import rollback_flow
+from .rollback_flow import record_release, report, target_after_failure
 from .common import STDERR, emit_json
 
 
@@ -82,7 +82,7 @@ def run_stages(*, command: str, inventory: str | None, recipe: str | None, sets:
     for r in outcome.failures:
         STDERR.print(describe_failure(r), markup=False, highlight=False)
     if rolled is not None:
-        rollback_flow.report(rolled)
+        report(rolled)
     if outcome.exit_code == 0:
         ctx.say(f"[green]{command}: ok[/green] (run record {ctx.run_dir})")
     sys.exit(outcome.exit_code)
@@ -98,7 +98,7 @@ def _apply(dep: Deployment, plan, command: str, *, as_json: bool, verbose: int, 
         outcome = run(plan, ctx, command)
         doc = outcome.to_json()
         if record and outcome.exit_code == 0:
-            doc["release"] = rollback_flow.record_release(dep, ctx, command, recipe_ref, sets, rollback_of)
+            doc["release"] = record_release(dep, ctx, command, recipe_ref, sets, rollback_of)
     finally:
         shells, ctx.state.shells = ctx.state.shells, None
         if shells is not None:
@@ -111,7 +111,7 @@ def _roll_back(dep: Deployment, failed: RunOutcome, inventory: str | None, ctx: 
                as_json: bool, verbose: int, quiet: bool) -> dict:
     """After FAILED (up --rollback-on-failure): relaunch the current release when the failed run
     replaced it. Returns what happened, for the report and --json."""
-    target, why = rollback_flow.target_after_failure(dep, failed)
+    target, why = target_after_failure(dep, failed)
     if target is None:
         ctx.say(f"[yellow]no rollback: {why}[/yellow]")
         return {"attempted": False, "reason": why}
