@@ -124,6 +124,16 @@ def released(history: list[Release], keep: int) -> list[Release]:
     return [r for r in history if r.number not in keep_set]
 
 
-def rollback_sets(deployment: str, release: Release) -> tuple[str, ...]:
-    """--set values that relaunch RELEASE: its own overrides, then its image by the pin tag (last wins)."""
-    return (*release.overrides, f"engine.image={pin_tag(deployment, release.number)}")
+MASKED = "=***"      # secrets.MASK after the '=': a secret-named override is recorded without its value
+
+
+def masked_overrides(release: Release) -> tuple[str, ...]:
+    """The release's overrides whose secret value was never recorded (the operator passes them again)."""
+    return tuple(o for o in release.overrides if o.endswith(MASKED))
+
+
+def rollback_sets(deployment: str, release: Release, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """--set values that relaunch RELEASE: its own overrides (but the secret ones, never recorded), EXTRA
+    (the operator's --set, e.g. those secrets), then its image by the pin tag (last wins)."""
+    own = tuple(o for o in release.overrides if not o.endswith(MASKED))
+    return (*own, *extra, f"engine.image={pin_tag(deployment, release.number)}")

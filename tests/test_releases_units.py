@@ -72,3 +72,12 @@ def test_no_rollback_when_the_failed_run_replaced_nothing(stages, why):
     dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
     target, reason = target_after_failure(dep, RunOutcome("runs/x", "failed", 1, stages))
     assert target is None and why in reason
+
+
+def test_secret_overrides_are_never_recorded_and_must_be_given_again():
+    from orchestrator.secrets import mask_override
+    r = _r(3, overrides=tuple(mask_override(o) for o in ("engine.env.HF_TOKEN=hf_abcdefgh1234", "engine.port=8001")))
+    assert r.overrides == ("engine.env.HF_TOKEN=***", "engine.port=8001")
+    assert rel.masked_overrides(r) == ("engine.env.HF_TOKEN=***",)
+    assert rel.rollback_sets("spark4", r, ("engine.env.HF_TOKEN=hf_x",)) == (
+        "engine.port=8001", "engine.env.HF_TOKEN=hf_x", "engine.image=deployctl-release/spark4:3")

@@ -13,6 +13,7 @@ from ..plan import Action
 from ..releases import rollback_sets
 from ..runner import RunOutcome, describe_failure, run, say_results
 from ..runoptions import RunOptions
+from ..secrets import mask_override
 from ..runrecord import HostLog, RunContext, new_run_dir
 from ..stages import build_plan, select
 from .rollback_flow import record_release, report, target_after_failure
@@ -73,7 +74,7 @@ def run_stages(*, command: str, inventory: str | None, recipe: str | None, sets:
         outcome, doc, ctx = _apply(dep, plan, command, options=options, record=command in RECORDS and "launch" in stages,
                                    recipe_ref=recipe, sets=sets, rollback_of=rollback_of, **out)
         if rollback_on_failure and outcome.exit_code == 1:
-            rolled = _roll_back(dep, outcome, inventory, ctx, **out)
+            rolled = _roll_back(dep, outcome, inventory, sets, ctx, **out)
             doc["rollback"] = rolled
     if as_json:
         emit_json(doc)
@@ -107,7 +108,8 @@ def _apply(dep: Deployment, plan, command: str, *, as_json: bool, verbose: int, 
     return outcome, doc, ctx
 
 
-def _roll_back(dep: Deployment, failed: RunOutcome, inventory: str | None, ctx: RunContext, *,
+def _roll_back(dep: Deployment, failed: RunOutcome, inventory: str | None, given: tuple[str, ...],
+               ctx: RunContext, *,
                as_json: bool, verbose: int, quiet: bool) -> dict:
     """After FAILED (up --rollback-on-failure): relaunch the current release when the failed run
     replaced it. Returns what happened, for the report and --json."""
@@ -116,7 +118,8 @@ def _roll_back(dep: Deployment, failed: RunOutcome, inventory: str | None, ctx: 
         ctx.say(f"[yellow]no rollback: {why}[/yellow]")
         return {"attempted": False, "reason": why}
     ctx.say(f"[yellow]rolling back to {target.describe()}[/yellow]")
-    sets = rollback_sets(dep.name, target)
+    # the failed command's secret-named --set values (never recorded in the history) are given again
+    sets = rollback_sets(dep.name, target, tuple(s for s in given if mask_override(s) != s))
     rdep = load_deployment(inventory, target.recipe_ref, sets)
     rplan = build_plan(rdep, only=ROLLBACK_STAGES)
     outcome, doc, _ = _apply(rdep, rplan, "rollback", options=None, record=True, recipe_ref=target.recipe_ref,

@@ -14,6 +14,7 @@ from .. import releases as rel
 from ..deployment import Deployment, load_deployment
 from ..errors import InputError, StageFailed
 from ..runoptions import RunOptions
+from ..secrets import mask_override
 from ..stages import build_plan
 from .common import emit_json, handle_errors, inventory_option, output_options
 from .launch_cmd import keep_option
@@ -76,11 +77,14 @@ def history_command(inventory, as_json, verbose, quiet):
 @output_options
 @click.option("--to", "to", type=click.IntRange(min=1), default=None, metavar="N",
               help="The release to bring back (default: the one before the current one).")
+@click.option("--set", "sets", multiple=True, metavar="KEY.PATH=VALUE",
+              help="Add to the release's recorded overrides (after them; e.g. a secret-named value, "
+                   "which the history records masked). The image stays the release's.")
 @keep_option
 @click.option("--dry-run", is_flag=True,
               help="Show the release and the plan (ship, launch, health) it would run, and stop.")
 @handle_errors
-def rollback_command(inventory, as_json, verbose, quiet, to, keep_on_failure, dry_run):
+def rollback_command(inventory, as_json, verbose, quiet, to, sets, keep_on_failure, dry_run):
     """Relaunch release N (`deployctl history`) by its image ID, then the full health check.
 
     Runs ship (only the layers a worker lacks), launch and health with the release's recorded
@@ -94,7 +98,7 @@ def rollback_command(inventory, as_json, verbose, quiet, to, keep_on_failure, dr
     except StageFailed as e:
         if not dry_run:
             raise
-        return _dry_run_unread(dep, inventory, to, as_json, verbose, str(e))
+        return _dry_run_unread(dep, inventory, to, tuple(sets), as_json, verbose, str(e))
     if not history:
         raise StageFailed(f"{dep.name}: no releases recorded on the head {dep.cluster.head}: nothing to roll back to")
     target = rel.find(history, to) if to else rel.previous(history)
@@ -102,7 +106,11 @@ def rollback_command(inventory, as_json, verbose, quiet, to, keep_on_failure, dr
         if to:
             raise InputError(f"no release {to} (recorded: {', '.join(str(r.number) for r in history)})", key="--to")
         raise StageFailed(f"{dep.name} has only one release ({history[0].number}): nothing before it")
-    sets = rel.rollback_sets(dep.name, target)
+    missing = [o for o in rel.masked_overrides(target) if not any(s.startswith(o[:-3]) for s in sets)]
+    if missing:
+        raise InputError(f"release {target.number} was made with secret-named overrides recorded without their "
+                         f"values: pass them again with --set ({', '.join(missing)})", key="--set")
+    sets = rel.rollback_sets(dep.name, target, tuple(sets))
     if dry_run:
         rdep = load_deployment(inventory, target.recipe_ref, sets)
         plan = build_plan(rdep, only=ROLLBACK_STAGES)
@@ -110,7 +118,7 @@ def rollback_command(inventory, as_json, verbose, quiet, to, keep_on_failure, dr
             emit_json({"release": target.to_json(), "sets": list(sets), "plan": plan.to_json()})
         else:
             click.echo(f"would roll back {dep.name} to {target.describe()} with --set "
-                       + " --set ".join(sets))
+                       + " --set ".join(mask_override(s) for s in sets))
             print_plan(plan, verbose=verbose)
         return
     if target.number not in {r.number for r in rel.kept(history, dep.recipe.releases.keep)}:
@@ -132,7 +140,8 @@ def _require_pin(dep: Deployment, target: rel.Release) -> None:
                               f"the head {dep.cluster.head})")
 
 
-def _dry_run_unread(dep: Deployment, inventory, to: int | None, as_json: bool, verbose: int, why: str) -> None:
+def _dry_run_unread(dep: Deployment, inventory, to: int | None, extra: tuple[str, ...], as_json: bool,
+                    verbose: int, why: str) -> None:
     """--dry-run without the head's history (it cannot be reached from here): say so, and show the
     plan with release N's pin tag (its recorded overrides are not known here)."""
     note = f"the release history could not be read ({why})"
@@ -142,12 +151,12 @@ def _dry_run_unread(dep: Deployment, inventory, to: int | None, as_json: bool, v
         else:
             click.echo(f"would roll back {dep.name} to the release before the current one; {note}")
         return
-    sets = (f"engine.image={rel.pin_tag(dep.name, to)}",)
+    sets = (*extra, f"engine.image={rel.pin_tag(dep.name, to)}")
     plan = build_plan(load_deployment(inventory, None, sets), only=ROLLBACK_STAGES)
     if as_json:
         emit_json({"release": to, "sets": list(sets), "note": note, "plan": plan.to_json()})
         return
-    click.echo(f"would roll back {dep.name} to release {to} with --set {sets[0]} (plus its recorded "
+    click.echo(f"would roll back {dep.name} to release {to} with --set {sets[-1]} (plus its recorded "
                f"overrides); {note}")
     print_plan(plan, verbose=verbose)
 

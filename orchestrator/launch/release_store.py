@@ -18,6 +18,7 @@ from ..errors import StageFailed
 from ..executors.shells import HostShell, Shells
 from ..executors.ssh import SSHError
 from ..outcomes import HostFailure, parallel
+from ..secrets import mask_override
 from . import probe
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ def record(dep: "Deployment", shells: Shells, *, command: str, run_dir: str, rec
            overrides: tuple[str, ...], rollback_of: int | None = None
            ) -> tuple[rel.Release | None, rel.Release | None, list[str]]:
     """After a healthy run: a new release when the image or a spec changed (else None), then the pins.
+    Secret-named overrides are recorded masked: the history is readable by every controller's login.
     Returns (the new release or None, the current release, notes about pins not set or not removed)."""
     head = shells[dep.cluster.head]
     running = read_running(dep, shells)
@@ -107,7 +109,7 @@ def record(dep: "Deployment", shells: Shells, *, command: str, run_dir: str, rec
     if rel.is_new(history, image_id, specs):
         new = rel.Release(number=rel.next_number(history), time=time.time(), image_id=image_id,
                           image=dep.recipe.engine.image, recipe=dep.recipe.name, recipe_ref=recipe_ref,
-                          overrides=overrides, specs=specs,
+                          overrides=tuple(mask_override(o) for o in overrides), specs=specs,
                           tables={h: r.tables for h, r in running.items() if r.tables},
                           run_dir=run_dir, command=command, rollback_of=rollback_of)
         history = [*history, new]
