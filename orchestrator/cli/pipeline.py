@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..deployment import Deployment, load_deployment
+from ..errors import DeployctlError
 from ..outcomes import HostResult, run_per_host
 from ..plan import Action
 from ..releases import rollback_sets
@@ -120,8 +121,12 @@ def _roll_back(dep: Deployment, failed: RunOutcome, inventory: str | None, given
     ctx.say(f"[yellow]rolling back to {target.describe()}[/yellow]")
     # the failed command's secret-named --set values (never recorded in the history) are given again
     sets = rollback_sets(dep.name, target, tuple(s for s in given if mask_override(s) != s))
-    rdep = load_deployment(inventory, target.recipe_ref, sets)
-    rplan = build_plan(rdep, only=ROLLBACK_STAGES)
+    try:
+        rdep = load_deployment(inventory, target.recipe_ref, sets)
+        rplan = build_plan(rdep, only=ROLLBACK_STAGES)
+    except DeployctlError as e:     # e.g. the recipe changed since: said, never hiding the first failure
+        return {"attempted": True, "to": target.number, "image_id": target.image_id, "status": "error",
+                "exit_code": e.exit_code, "error": f"release {target.number} cannot be planned: {e}", "run_dir": ""}
     outcome, doc, _ = _apply(rdep, rplan, "rollback", options=None, record=True, recipe_ref=target.recipe_ref,
                              sets=sets, rollback_of=target.number, as_json=as_json, verbose=verbose, quiet=quiet)
     return {"attempted": True, "to": target.number, "image_id": target.image_id, **doc}

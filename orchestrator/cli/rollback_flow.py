@@ -29,7 +29,7 @@ def record_release(dep: "Deployment", ctx: "RunContext", command: str, recipe_re
     try:
         new, cur, notes = release_store.record(dep, shells, command=command, run_dir=str(ctx.run_dir),
                                                recipe_ref=recipe_ref, overrides=tuple(sets), rollback_of=rollback_of)
-    except (DeployctlError, Exception) as e:  # noqa: BLE001 - reported, never hides the run's own outcome
+    except Exception as e:  # noqa: BLE001 - reported, never hides the run's own outcome
         why = f"no release recorded: {e}"
         ctx.say(f"[yellow]{escape(why)}[/yellow]")
         ctx.event("release-error", error=str(e))
