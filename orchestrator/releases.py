@@ -7,8 +7,10 @@ orchestrator/launch/release_store.py.
 
 A release names its image by ID, never by tag: a moved `:latest` must not change what "release 3"
 means. The image stays on every node under the pin tag (`deployctl-release/<deployment>:<N>`) while
-the release is among the last `releases.keep`, so `docker image prune -a` and `build --prune`
-cannot remove it; launching the pin tag launches exactly that image.
+the release is among the last `releases.keep`, so `docker image prune` (a moved tag leaves the old
+image dangling) and `build --prune` cannot remove it, and a created, never started holder container
+(`deployctl-pin-<deployment>-<N>`) keeps it in use against `docker image prune -a`. Launching the pin
+tag launches exactly that image.
 """
 from __future__ import annotations
 
@@ -74,6 +76,12 @@ def _slug(deployment: str) -> str:
 
 def pin_tag(deployment: str, number: int) -> str:
     return f"{PIN_REPO}/{_slug(deployment)}:{number}"
+
+
+def holder_name(deployment: str, number: int) -> str:
+    """A created, never started container of the release's image: `docker image prune -a` removes every
+    image no container uses, whatever its tags; this one keeps the image in use."""
+    return f"deployctl-pin-{_slug(deployment)}-{number}"
 
 
 def parse(doc: Any) -> list[Release]:

@@ -60,9 +60,12 @@ def rl4(cluster, double_image, tmp_path_factory) -> dict:
 
 
 def _forget_releases(cluster, dep) -> None:
-    """A clean start: no history file on the head, no pin tags of this deployment anywhere."""
+    """A clean start: no history file on the head, no pins (holders, tags) of this deployment anywhere."""
     Path(rel.history_path(dep.cluster.head_host.nvme_dir, DEP)).unlink(missing_ok=True)
     for h in cluster.hosts:
+        holders = _docker(h.docker_host, "ps", "-aq", "--filter", f"label=deployctl.pin={DEP}").stdout.split()
+        if holders:
+            _docker(h.docker_host, "rm", "-f", *holders)
         tags = _docker(h.docker_host, "image", "ls", "--format", "{{.Repository}}:{{.Tag}}",
                        f"{rel.PIN_REPO}/{DEP}").stdout.split()
         if tags:
@@ -192,7 +195,9 @@ def test_rollback_to_each_kept_release_and_not_to_a_released_one(cluster, rl4):
 
 def test_pruning_never_removes_a_kept_image(cluster, rl4):
     """The tags everyone moves (here dctl-rel:a/b/d, like a rebuilt :latest) go elsewhere, then
-    `docker image prune` on every node: every kept release's image is still there by ID."""
+    `docker image prune` and `docker image prune -a` on every node: every kept release's image is still
+    there by ID. (-a is limited to this test's images by their label: the other modules of a session
+    still need the double's image on the nodes.)"""
     inv = rl4["inv"]
     h = _history(inv)
     kept = {r["image_id"] for r in h["releases"] if r["pinned"]}
@@ -202,8 +207,15 @@ def test_pruning_never_removes_a_kept_image(cluster, rl4):
             _docker(x.docker_host, "tag", other, tag)        # the tag moves to another image
         p = _docker(x.docker_host, "image", "prune", "-f")
         assert p.returncode == 0, p.stderr
+        p = _docker(x.docker_host, "image", "prune", "-a", "-f", "--filter", "label=dctl-rel-test")
+        assert p.returncode == 0, p.stderr
         have = set(_docker(x.docker_host, "image", "ls", "-q", "--no-trunc").stdout.split())
         assert kept <= have, (x.name, kept - have)
+        holders = _docker(x.docker_host, "ps", "-a", "--filter", f"label=deployctl.pin={DEP}",
+                          "--format", "{{.Names}} {{.State}}").stdout.split("\n")
+        assert sorted(n.split()[0] for n in holders if n) == sorted(
+            rel.holder_name(DEP, r["number"]) for r in h["releases"] if r["pinned"]), (x.name, holders)
+        assert all(n.endswith(" created") for n in holders if n), "never started"
     c_id = rl4["ids"]["c"]
     assert c_id not in set(_docker(cluster.hosts[0].docker_host, "image", "ls", "-q", "--no-trunc").stdout.split()), \
         "an image no release keeps is pruned (the crashing one)"

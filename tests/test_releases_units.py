@@ -81,3 +81,7 @@ def test_secret_overrides_are_never_recorded_and_must_be_given_again():
     assert rel.masked_overrides(r) == ("engine.env.HF_TOKEN=***",)
     assert rel.rollback_sets("spark4", r, ("engine.env.HF_TOKEN=hf_x",)) == (
         "engine.port=8001", "engine.env.HF_TOKEN=hf_x", "engine.image=deployctl-release/spark4:3")
+
+
+def test_holder_container_name():
+    assert rel.holder_name("spark4", 3) == "deployctl-pin-spark4-3"

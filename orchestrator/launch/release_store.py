@@ -117,29 +117,56 @@ def record(dep: "Deployment", shells: Shells, *, command: str, run_dir: str, rec
     return new, rel.current(history), pin(dep, shells, history)
 
 
+PIN_LABEL = "deployctl.pin"     # the holder containers' label (never deployctl.deployment: launch and down ignore them)
+
+
 def pin(dep: "Deployment", shells: Shells, history: list[rel.Release]) -> list[str]:
-    """On every host: the last `releases.keep` releases' images tagged with their pin tags (so no
-    prune removes them), older pin tags removed (an untag: the image goes only if nothing else holds it)."""
+    """On every host: the last `releases.keep` releases' images tagged with their pin tags and held by
+    a created, never started container (so no prune removes them); older pins and holders removed
+    (the image goes only if nothing else holds it). Returns what could not be done, per host."""
     keep = rel.kept(history, dep.recipe.releases.keep)
     drop = rel.released(history, dep.recipe.releases.keep)
 
     def one(name: str) -> list[str]:
         sh, notes = shells[name], []
         for r in keep:
-            res = sh.run(sh.docker("tag", r.image_id, rel.pin_tag(dep.name, r.number)), timeout=TIMEOUT_S)
-            if res.rc != 0:
-                notes.append(f"{name}: release {r.number} not pinned ({res.stderr.strip()[-200:]})")
+            why = _pin_one(sh, dep.name, r)
+            if why:
+                notes.append(f"{name}: release {r.number} not pinned ({why})")
         for r in drop:
-            tag = rel.pin_tag(dep.name, r.number)
-            res = sh.run(sh.docker("image", "ls", "-q", tag), timeout=TIMEOUT_S)
-            if res.rc == 0 and res.stdout.strip():
-                res = sh.run(sh.docker("rmi", tag), timeout=TIMEOUT_S)
-                if res.rc != 0:
-                    notes.append(f"{name}: {tag} not removed ({res.stderr.strip()[-200:]})")
+            why = _unpin_one(sh, dep.name, r)
+            if why:
+                notes.append(f"{name}: release {r.number}'s pin not removed ({why})")
         return notes
     res = parallel([h.name for h in dep.cluster.hosts], one)
     return [n for notes in res.ok.values() for n in notes] + [f"{n}: pins not updated ({e})"
                                                               for n, e in res.failed.items()]
+
+
+def _pin_one(sh: HostShell, deployment: str, r: rel.Release) -> str:
+    tag, holder = rel.pin_tag(deployment, r.number), rel.holder_name(deployment, r.number)
+    res = sh.run(sh.docker("tag", r.image_id, tag), timeout=TIMEOUT_S)
+    if res.rc != 0:
+        return res.stderr.strip()[-200:]
+    res = sh.run(sh.docker("container", "inspect", "--format", "{{.Image}}", holder), timeout=TIMEOUT_S)
+    if res.rc == 0 and res.stdout.strip() == r.image_id:
+        return ""
+    if res.rc == 0:          # a holder of another image under this name: not ours to keep
+        sh.run(sh.docker("rm", "-f", holder), timeout=TIMEOUT_S)
+    res = sh.run(sh.docker("create", "--name", holder, "--label", f"{PIN_LABEL}={deployment}", "--network", "none",
+                           "--entrypoint", "", tag, "true"), timeout=TIMEOUT_S)
+    return "" if res.rc == 0 else f"holder container: {res.stderr.strip()[-200:]}"
+
+
+def _unpin_one(sh: HostShell, deployment: str, r: rel.Release) -> str:
+    tag, holder = rel.pin_tag(deployment, r.number), rel.holder_name(deployment, r.number)
+    sh.run(sh.docker("rm", "-f", holder), timeout=TIMEOUT_S)       # absent: nothing to do
+    res = sh.run(sh.docker("image", "ls", "-q", tag), timeout=TIMEOUT_S)
+    if res.rc == 0 and res.stdout.strip():
+        res = sh.run(sh.docker("rmi", tag), timeout=TIMEOUT_S)
+        if res.rc != 0:
+            return res.stderr.strip()[-200:]
+    return ""
 
 
 def image_present(sh: HostShell, ref: str) -> bool:
