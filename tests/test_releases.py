@@ -8,8 +8,10 @@ The pure decisions: tests/test_releases_units.py."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,7 +78,7 @@ def _up(inv, image: str, *extra: str):
     return dctl("up", "-i", str(inv), *STAGES, "--set", f"engine.image={image}", *extra, timeout=400)
 
 
-def _history(inv, cwd_env: dict | None = None) -> dict:
+def _history(inv) -> dict:
     p = dctl("history", "-i", str(inv), "--json")
     assert p.returncode == 0, out(p)
     return json.loads(p.stdout)
@@ -237,8 +239,6 @@ def test_history_survives_a_controller_change(cluster, rl4, tmp_path):
     inv2 = tmp_path / "ctl2" / "inventory.yml"
     inv2.parent.mkdir()
     inv2.write_text(inv.read_text().replace(str(inv.parent / "runs"), str(inv2.parent / "runs")))
-    import os
-    import sys
     p = subprocess.run([sys.executable, "-m", "orchestrator", "history", "-i", str(inv2), "--json"],
                        capture_output=True, text=True, timeout=120, cwd=other,
                        env={**os.environ, "PYTHONPATH": str(other)})
