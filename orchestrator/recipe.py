@@ -265,6 +265,16 @@ class SizingSpec:
 
 
 @dataclass(frozen=True)
+class ReleasesSpec:
+    """Releases (orchestrator/releases.py): how many of the last releases keep their image pinned
+    on every node (never pruned; `deployctl rollback` can bring them back)."""
+    keep: int = 3
+
+    def validate(self, path: str, file: str) -> None:
+        checks.fields(self, path, file, count=("keep",))
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     description: str
@@ -277,6 +287,7 @@ class Recipe:
     health: HealthSpec = HealthSpec()
     bench: BenchSpec = BenchSpec()
     sizing: SizingSpec = SizingSpec()
+    releases: ReleasesSpec = ReleasesSpec()
 
     def validate(self, path: str, file: str) -> None:
         from .hardware import KINDS

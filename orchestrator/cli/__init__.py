@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import click
 
-from . import (bench_cmd, build_cmd, engram_cmd, launch_cmd, plan_cmd, ple_cmd, ship_cmd,
-               sync_cmd, up_cmd)
+from . import (bench_cmd, build_cmd, engram_cmd, launch_cmd, plan_cmd, ple_cmd,
+               release_cmd, ship_cmd, sync_cmd, up_cmd)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -20,7 +20,7 @@ def cli() -> None:
 
 
 for module in (plan_cmd, up_cmd, build_cmd, ship_cmd, sync_cmd, engram_cmd, ple_cmd, launch_cmd,
-               bench_cmd):
+               release_cmd, bench_cmd):
     module.register(cli)
 
 

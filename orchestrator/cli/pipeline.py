@@ -8,12 +8,16 @@ from pathlib import Path
 from typing import Callable
 
 from ..deployment import Deployment, load_deployment
+from ..errors import DeployctlError
 from ..outcomes import HostResult, run_per_host
 from ..plan import Action
-from ..runner import describe_failure, run, say_results
+from ..releases import rollback_sets
+from ..runner import RunOutcome, describe_failure, run, say_results
 from ..runoptions import RunOptions
+from ..secrets import mask_override
 from ..runrecord import HostLog, RunContext, new_run_dir
 from ..stages import build_plan, select
+from .rollback_flow import record_release, report, target_after_failure
 from .common import STDERR, emit_json
 
 
@@ -46,35 +50,86 @@ def changes_hosts(stages: tuple[str, ...], options: RunOptions) -> bool:
     return bool(changing)
 
 
+RECORDS = frozenset({"up", "launch", "rollback"})    # commands whose healthy launch is a release
+ROLLBACK_STAGES = ("ship", "launch", "health")      # what brings a release back (only missing layers shipped)
+
+
 def run_stages(*, command: str, inventory: str | None, recipe: str | None, sets: tuple[str, ...],
                only: tuple[str, ...] = (), skip: tuple[str, ...] = (), as_json: bool = False,
                verbose: int = 0, quiet: bool = False, options: RunOptions | None = None,
-               lock: bool | None = None) -> None:
+               lock: bool | None = None, rollback_on_failure: bool = False,
+               rollback_of: int | None = None) -> None:
     """LOCK: hold the deployment's lock on the head for the whole run (a second run fails fast).
-    None (the default): when a stage of the run changes hosts (changes_hosts)."""
+    None (the default): when a stage of the run changes hosts (changes_hosts).
+    A successful up/launch/rollback that ran launch records a release (orchestrator/releases.py).
+    ROLLBACK_ON_FAILURE: when launch or health of a new release fails, the current release is brought
+    back under the same lock, with its own run record; the command still exits 1."""
     dep = load_deployment(inventory, recipe, sets)
     plan = build_plan(dep, only=only, skip=skip, options=options)
+    stages = select(only, skip)
     if lock is None:
-        lock = changes_hosts(select(only, skip), options or RunOptions())
+        lock = changes_hosts(stages, options or RunOptions())
+    out = dict(as_json=as_json, verbose=verbose, quiet=quiet)
+    rolled = None
     with _head_lock(dep, command, lock):
-        ctx = _context(dep, command, as_json, verbose, quiet, options)
-        ctx.say(f"deployctl {command}: {dep.name} ({dep.recipe.name}), run record {ctx.run_dir}")
-        try:
-            outcome = run(plan, ctx, command)
-        finally:
-            shells, ctx.state.shells = ctx.state.shells, None
-            if shells is not None:
-                shells.close()     # the stages' shared SSH sessions
-            ctx.close()
+        outcome, doc, ctx = _apply(dep, plan, command, options=options, record=command in RECORDS and "launch" in stages,
+                                   recipe_ref=recipe, sets=sets, rollback_of=rollback_of, **out)
+        if rollback_on_failure and outcome.exit_code == 1:
+            rolled = _roll_back(dep, outcome, inventory, sets, ctx, **out)
+            doc["rollback"] = rolled
     if as_json:
-        emit_json(outcome.to_json())
+        emit_json(doc)
     if outcome.error:
         STDERR.print(f"[red]error:[/red] {outcome.error}", markup=True, highlight=False)
     for r in outcome.failures:
         STDERR.print(describe_failure(r), markup=False, highlight=False)
+    if rolled is not None:
+        report(rolled)
     if outcome.exit_code == 0:
         ctx.say(f"[green]{command}: ok[/green] (run record {ctx.run_dir})")
     sys.exit(outcome.exit_code)
+
+
+def _apply(dep: Deployment, plan, command: str, *, as_json: bool, verbose: int, quiet: bool,
+           options: RunOptions | None, record: bool, recipe_ref: str | None, sets: tuple[str, ...],
+           rollback_of: int | None) -> tuple[RunOutcome, dict, RunContext]:
+    """One run of PLAN with its own run record; then (RECORD, and it succeeded) its release."""
+    ctx = _context(dep, command, as_json, verbose, quiet, options)
+    ctx.say(f"deployctl {command}: {dep.name} ({dep.recipe.name}), run record {ctx.run_dir}")
+    try:
+        outcome = run(plan, ctx, command)
+        doc = outcome.to_json()
+        if record and outcome.exit_code == 0:
+            doc["release"] = record_release(dep, ctx, command, recipe_ref, sets, rollback_of)
+    finally:
+        shells, ctx.state.shells = ctx.state.shells, None
+        if shells is not None:
+            shells.close()     # the stages' shared SSH sessions
+        ctx.close()
+    return outcome, doc, ctx
+
+
+def _roll_back(dep: Deployment, failed: RunOutcome, inventory: str | None, given: tuple[str, ...],
+               ctx: RunContext, *,
+               as_json: bool, verbose: int, quiet: bool) -> dict:
+    """After FAILED (up --rollback-on-failure): relaunch the current release when the failed run
+    replaced it. Returns what happened, for the report and --json."""
+    target, why = target_after_failure(dep, failed)
+    if target is None:
+        ctx.say(f"[yellow]no rollback: {why}[/yellow]")
+        return {"attempted": False, "reason": why}
+    ctx.say(f"[yellow]rolling back to {target.describe()}[/yellow]")
+    # the failed command's secret-named --set values (never recorded in the history) are given again
+    sets = rollback_sets(dep.name, target, tuple(s for s in given if mask_override(s) != s))
+    try:
+        rdep = load_deployment(inventory, target.recipe_ref, sets)
+        rplan = build_plan(rdep, only=ROLLBACK_STAGES)
+    except DeployctlError as e:     # e.g. the recipe changed since: said, never hiding the first failure
+        return {"attempted": True, "to": target.number, "image_id": target.image_id, "status": "error",
+                "exit_code": e.exit_code, "error": f"release {target.number} cannot be planned: {e}", "run_dir": ""}
+    outcome, doc, _ = _apply(rdep, rplan, "rollback", options=None, record=True, recipe_ref=target.recipe_ref,
+                             sets=sets, rollback_of=target.number, as_json=as_json, verbose=verbose, quiet=quiet)
+    return {"attempted": True, "to": target.number, "image_id": target.image_id, **doc}
 
 
 def run_host_command(*, command: str, dep: Deployment, fn: Callable[[Action, HostLog], "HostResult | str | None"],

@@ -12,22 +12,30 @@ from .pipeline import run_stages
 from .plan_text import print_plan
 
 
-
-
 @click.command("up")
 @deployment_options
 @click.option("--dry-run", is_flag=True, help="Show the plan (each host's exact commands) and stop.")
 @click.option("--only", multiple=True, metavar="STAGE", help="Run only these stages (repeatable).")
 @click.option("--skip", multiple=True, metavar="STAGE", help="Skip these stages (repeatable).")
 @keep_option
+@click.option("--rollback-on-failure/--no-rollback-on-failure", default=None,
+              help="When launch or health of a new image or spec fails, bring the current release back, "
+                   "verify its health, and exit 1 reporting both (default: on with --ci, else off).")
+@click.option("--ci", is_flag=True,
+              help="Non-interactive CI run: --rollback-on-failure unless --no-rollback-on-failure; the build "
+                   "stage writes its GitHub Actions job summary.")
 @handle_errors
-def up_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run, only, skip, keep_on_failure):
+def up_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run, only, skip, keep_on_failure,
+               rollback_on_failure, ci):
     """Deploy: preflight, build, ship, sync-model, stage-engram, write-ple, launch, health.
 
     Each stage skips what is already done, so a re-run on a healthy cluster only checks. Writes a
     run record under runs/. Unless it only reads (--only preflight/health), holds the deployment's
     lock on the head for the whole run: a second `up` of the same deployment fails at once, naming
     the head and the lock. Ctrl-C removes the containers this run started.
+
+    A healthy run with a new image or spec is recorded as a release (`deployctl history`); with
+    --rollback-on-failure a failed one brings the current release back (`deployctl rollback`).
     """
     if dry_run:
         dep = load_deployment(inventory, recipe, tuple(sets))
@@ -40,7 +48,8 @@ def up_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run, only, 
     # Only runs that change something take the lock (pipeline.changes_hosts): preflight and health only read.
     run_stages(command="up", inventory=inventory, recipe=recipe, sets=tuple(sets), only=tuple(only),
                skip=tuple(skip), as_json=as_json, verbose=verbose, quiet=quiet,
-               options=RunOptions(keep_on_failure=keep_on_failure))
+               options=RunOptions(keep_on_failure=keep_on_failure, ci=ci),
+               rollback_on_failure=ci if rollback_on_failure is None else rollback_on_failure)
 
 
 def register(cli: click.Group) -> None:
