@@ -12,12 +12,10 @@ import struct
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from . import bulkcopy
 from .engram_spec import (FIDELITY_SAMPLES, LOCAL_NAME, MANIFEST_NAME, RankMismatch, Sources, Spec,
                           VerifyFailed)
 from .safetensors import INDEX_NAME, MAX_HEADER
 from . import tableproof
-from .tableproof import where
 
 
 def same_inode(a: Path, b: Path) -> bool:
@@ -117,12 +115,8 @@ def fidelity_check(spec: Spec, sources: Sources, dest: Path, rng: random.Random 
 
 def verify_files(dest: Path, manifest: Mapping[str, Any], threads: int) -> int:
     """Re-hash every staged chunk (from the disk: cached pages are dropped first) and every header
-    against the manifest, and the index. Returns the bytes hashed; raises VerifyFailed naming the file,
-    the chunk and its byte range."""
-    total, bad = 0, []
-    idx = manifest.get("index", {})
-    if file_sha256(dest / INDEX_NAME) != idx.get("sha256"):
-        bad.append(f"{dest / INDEX_NAME} (missing or changed)")
+    against the manifest, and the index (prove_staged in full). Returns the bytes hashed; raises
+    VerifyFailed naming the file, the chunk and its byte range."""
     for fe in manifest["files"]:
         path = dest / fe["name"]
         try:
@@ -131,40 +125,23 @@ def verify_files(dest: Path, manifest: Mapping[str, Any], threads: int) -> int:
             raise VerifyFailed(f"{path}: missing (listed in {MANIFEST_NAME})") from None
         if size != fe["size"]:
             raise VerifyFailed(f"{path}: {size} bytes, the manifest says {fe['size']}")
-        cb = fe["chunk_bytes"]
-        spans = [(p["offset"], p["length"]) for p in fe["pieces"] if p["length"]]
-        link = fe.get("mode") == "link"
-        if link:
-            src = Path(manifest.get("source", {}).get("checkpoint", "")) / fe["name"]
-            if not same_inode(path, src):
-                bad.append(f"{path} (no longer a hard link to {src})")
-            spans = []     # a link's rows are the checkpoint's own bytes (sync-model checks those)
-        with open(path, "rb") as fh:
-            fd = fh.fileno()
-            head = os.pread(fd, fe["header_bytes"], 0)
-            if hashlib.sha256(head).hexdigest() != fe["header_sha256"]:
-                bad.append(f"{path} header (bytes 0..{fe['header_bytes']})")
-            if not link:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            got = dict(bulkcopy.hash_chunks(fd, spans, cb, workers=threads)) if spans else {}
-        for i, want in enumerate(fe["sha256"]):
-            if got.get(i) != want:
-                bad.append(f"{path} chunk {i} ({where(spans, i, cb)})")
-        total += sum(n for _, n in spans)
-    if bad:
+    proof = prove_staged(dest, manifest, full_check=True, workers=threads)
+    if proof.bad:
+        bad = proof.bad
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         raise VerifyFailed(f"corrupt staged data: {'; '.join(bad[:5])}{more}: sha256 differs from "
                            f"{MANIFEST_NAME}; the manifest is removed, run the stage again to restage")
-    return total
+    return proof.bytes
 
 
 
 def prove_staged(dest: Path, manifest: Mapping[str, Any], sample_bytes: int | None = None,
-                 full_check: bool = False) -> tableproof.Proof:
+                 full_check: bool = False, workers: int | None = None) -> tableproof.Proof:
     """What every `up` and `launch` runs on a folder its manifest calls current (tableproof.py): the
     index and every header against the manifest, then the copies' chunks: in full for a file whose
-    stat stamp changed, else the next window of the sample. A link's rows are the checkpoint's own bytes (sync-model
-    proves those), so only its header is read."""
+    stat stamp changed (every file with FULL_CHECK: verify_files), else the next window of the sample.
+    A link's rows are the checkpoint's own bytes (sync-model proves those): it must still be a link
+    to the checkpoint's shard, and only its header is read."""
     files, bad = [], []
     if file_sha256(dest / INDEX_NAME) != manifest.get("index", {}).get("sha256"):
         bad.append(f"{dest / INDEX_NAME} (missing or changed)")
@@ -178,11 +155,16 @@ def prove_staged(dest: Path, manifest: Mapping[str, Any], sample_bytes: int | No
             continue
         if hashlib.sha256(head).hexdigest() != fe["header_sha256"]:
             bad.append(f"{path} header (bytes 0..{fe['header_bytes']})")
-        if fe.get("mode") != "link":
+        if fe.get("mode") == "link":
+            src = Path(manifest.get("source", {}).get("checkpoint", "")) / fe["name"]
+            if not same_inode(path, src):
+                bad.append(f"{path} (no longer a hard link to {src})")
+        else:
             spans = tuple((p["offset"], p["length"]) for p in fe["pieces"] if p["length"])
             files.append(tableproof.TableFile(str(path), spans, fe["chunk_bytes"], tuple(fe["sha256"]),
                                               fe.get("stat")))
-    proof = tableproof.prove(files, sample_bytes, full_check=full_check, state=dest / tableproof.STATE_NAME)
+    proof = tableproof.prove(files, sample_bytes, full_check=full_check, state=dest / tableproof.STATE_NAME,
+                             workers=workers)
     proof.bad[:0] = bad
     return proof
 

@@ -121,7 +121,8 @@ def prove(files: list[TableFile], sample_bytes: int | None = None, rng: random.R
         if only is None and len(got) != len(f.sha256):
             out.bad.append(f"{f.path}: {len(got)} chunks hashed, the manifest lists {len(f.sha256)}")
         out.chunks += len(got)
-        out.bytes += sum(_chunk_len(f, i) for i in got)
+        total = sum(n for _, n in f.spans)
+        out.bytes += sum(max(0, min(f.chunk_bytes, total - i * f.chunk_bytes)) for i in got)
         if f.path in full:
             if not full_check:           # --verify checks every file in full: no need to say so per file
                 out.full.append(f"{Path(f.path).name}: {full[f.path]}")
@@ -156,11 +157,6 @@ def _hash(f: TableFile, only: set[int] | None, workers: int | None) -> dict[int,
         return dict(bulkcopy.hash_chunks(fd, list(f.spans), f.chunk_bytes, workers=workers, only=only))
     finally:
         os.close(fd)
-
-
-def _chunk_len(f: TableFile, i: int) -> int:
-    total = sum(n for _, n in f.spans)
-    return max(0, min(f.chunk_bytes, total - i * f.chunk_bytes))
 
 
 def where(spans: tuple[tuple[int, int], ...] | list[tuple[int, int]], i: int, cb: int) -> str:
