@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from .apikey import ApiKey, load_api_key
 from .errors import InputError
@@ -10,12 +11,18 @@ from .inventory import Cluster, Host, load_inventory
 from .recipe import LoadedRecipe, Recipe, load_recipe, resolve_path
 from .secrets import register_named
 
+if TYPE_CHECKING:
+    from .modelfetch.resolved import Resolved
+
 
 @dataclass(frozen=True)
 class Deployment:
     cluster: Cluster
     loaded: LoadedRecipe
     api_key: ApiKey | None = field(default=None, repr=False)   # the serving key the inventory points at
+    # The commit (and files) this run uses, resolved once before planning (modelfetch/resolve.py);
+    # None: not resolved, the snapshot folder is named by model.revision as written.
+    checkpoint: "Resolved | None" = None
 
     @property
     def recipe(self) -> Recipe:
@@ -49,7 +56,12 @@ class Deployment:
         if m.checkpoint_dir:
             return str(PurePosixPath(host.model_cache) / m.checkpoint_dir), ""
         repo = PurePosixPath(host.model_cache) / f"models--{m.repo.replace('/', '--')}"
-        return str(repo), f"snapshots/{m.revision}"
+        return str(repo), f"snapshots/{self.snapshot}"
+
+    @property
+    def snapshot(self) -> str:
+        """The snapshot folder's name: the resolved commit, else model.revision as written."""
+        return self.checkpoint.commit if self.checkpoint and self.checkpoint.commit else self.recipe.model.revision
 
     def engram_dir(self, host: Host) -> str:
         assert self.recipe.engram is not None

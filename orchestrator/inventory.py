@@ -47,6 +47,11 @@ CLUSTER_KEYS = {
     "api_key_file": "file on the controller holding the serving API key (relative: to this inventory); "
                     "the engines require it, every probe sends it, it is never shown",
     "api_key_env": "or: the name of an environment variable on the controller holding the API key",
+    "model_fetch": "how the head gets the checkpoint: hub (default: fetch-model downloads the recipe's "
+                   "model.repo into the head's model_cache) or none (it is put there by other means)",
+    "hf_endpoint": "the Hugging Face Hub (or mirror) fetch-model downloads from (default https://huggingface.co)",
+    "hf_token_file": "file on the controller holding a Hub token for gated or private repos (relative: to "
+                     "this inventory); default: the HF_TOKEN environment variable, if set",
 }
 DEFAULT_INVENTORY = INVENTORIES_DIR / "local4.yml"
 
@@ -90,6 +95,9 @@ class Cluster:
     run_dir: str = "runs"
     api_key_file: str | None = None      # where the serving API key is (orchestrator/apikey.py) ...
     api_key_env: str | None = None       # ... or the environment variable holding it
+    model_fetch: str = "hub"             # fetch-model: "hub" downloads the checkpoint, "none" does not
+    hf_endpoint: str = "https://huggingface.co"
+    hf_token_file: str | None = None     # a Hub token (orchestrator/modelfetch/access.py); else $HF_TOKEN
 
     @property
     def head_host(self) -> Host:
@@ -199,7 +207,7 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     except InputError as e:
         why = "" if cvars.get("deployment") else " (all.vars.deployment is unset: the name is this file's stem)"
         raise err(e.detail + why, "all.vars.deployment") from None
-    for k in ("recipe", "known_hosts_file", "run_dir", "api_key_file"):
+    for k in ("recipe", "known_hosts_file", "run_dir", "api_key_file", "hf_token_file"):
         check(checks.path, cvars.get(k), f"all.vars.{k}")
     api_port = cvars.get("api_port")
     if api_port is not None and (not isinstance(api_port, int) or not 0 < api_port < 65536):
@@ -217,6 +225,17 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     if key_file is not None:
         kf = Path(_expand(key_file) or "")
         key_file = str(kf if kf.is_absolute() else p.parent / kf)
+    model_fetch = cvars.get("model_fetch", "hub")
+    if model_fetch not in ("hub", "none"):
+        raise err(f"expected hub or none, got {model_fetch!r}", "all.vars.model_fetch")
+    hf_endpoint = cvars.get("hf_endpoint", "https://huggingface.co")
+    if not (isinstance(hf_endpoint, str) and re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", hf_endpoint)):
+        raise err(f"expected an http(s) URL such as https://huggingface.co, got {hf_endpoint!r}",
+                  "all.vars.hf_endpoint")
+    token_file = cvars.get("hf_token_file")
+    if token_file is not None:
+        tf = Path(_expand(str(token_file)) or "")
+        token_file = str(tf if tf.is_absolute() else p.parent / tf)
     return Cluster(
         name=deployment,
         file=p,
@@ -230,6 +249,9 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         run_dir=str(cvars.get("run_dir", "runs")),
         api_key_file=key_file,
         api_key_env=key_env,
+        model_fetch=model_fetch,
+        hf_endpoint=hf_endpoint.rstrip("/"),
+        hf_token_file=token_file,
     )
 
 

@@ -96,6 +96,9 @@ class ModelSpec:
     source: Literal["head", "shared"] = "head"
     shared_path: str = ""                # source shared: the mount point of the shared filesystem,
                                          # the same on every node; the checkpoint must be on it
+    # fetch-model downloads only the repo files these select (huggingface_hub's allow_patterns:
+    # fnmatch, "dir/" = everything below); empty: every file of the repo
+    allow_patterns: tuple[str, ...] = ()
     params_b: float = 0.0
     active_params_b: float = 0.0
     kv_bytes_per_token: int = 0

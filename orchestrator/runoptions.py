@@ -40,6 +40,8 @@ class RunOptions:
     ship_timeout_s: float | None = None    # --timeout
     ship_head_ssh_key: str | None = None   # --head-ssh-key (a path on the head)
     ship_head_known_hosts: str | None = None  # --head-known-hosts (a path on the head)
+    # fetch-model
+    fetch_rehash: bool = False             # fetch-model --rehash: verify every file again by its hash
     # sync-model
     sync_model: SyncModelOptions = field(default_factory=SyncModelOptions)
     # build

@@ -12,6 +12,7 @@ import yaml
 
 from orchestrator.executors.ssh import HostKeyError, SSHError, SSHTimeout
 from tests.cluster import BUSYBOX_IMAGE, ensure_base_images, plan_hosts, render_inventory
+from tests.cluster.cluster import demo_hub_url
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[1]
@@ -142,6 +143,7 @@ def test_ansible_reaches_every_host(cluster):
 @pytest.mark.parametrize("file, name, n", [("local4.yml", "local", 4), ("local1.yml", "local1", 1)])
 def test_checked_in_inventory_is_what_up_generates(file, name, n):
     checked_in = yaml.safe_load((REPO / "inventories" / file).read_text())
-    generated = yaml.safe_load(render_inventory(name, plan_hosts(name, n)))
+    hosts = plan_hosts(name, n)
+    generated = yaml.safe_load(render_inventory(name, hosts, hub=demo_hub_url(hosts)))
     assert checked_in == generated, (f"inventories/{file} differs from what "
-                                     f"`python -m tests.cluster up --hosts {n} --name {name}` writes; regenerate it")
+                                     f"`python -m tests.cluster demo --hosts {n} --name {name}` writes; regenerate it")

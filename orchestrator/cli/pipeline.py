@@ -11,6 +11,7 @@ from ..deployment import Deployment, load_deployment
 from ..errors import DeployctlError
 from ..outcomes import HostResult, run_per_host
 from ..plan import Action
+from ..modelfetch.resolve import for_run as resolve_checkpoint
 from ..releases import rollback_sets
 from ..runner import RunOutcome, describe_failure, run, say_results
 from ..runoptions import RunOptions
@@ -65,8 +66,10 @@ def run_stages(*, command: str, inventory: str | None, recipe: str | None, sets:
     ROLLBACK_ON_FAILURE: when launch or health of a new release fails, the current release is brought
     back under the same lock, with its own run record; the command still exits 1."""
     dep = load_deployment(inventory, recipe, sets)
-    plan = build_plan(dep, only=only, skip=skip, options=options)
     stages = select(only, skip)
+    # the commit this run uses, once, before planning (a branch that moves mid-run changes nothing)
+    dep = resolve_checkpoint(dep, stages, rehash=bool(options and options.fetch_rehash))
+    plan = build_plan(dep, only=only, skip=skip, options=options)
     if lock is None:
         lock = changes_hosts(stages, options or RunOptions())
     out = dict(as_json=as_json, verbose=verbose, quiet=quiet)

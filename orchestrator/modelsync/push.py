@@ -51,6 +51,18 @@ def head_manifest(dep: "Deployment", op: HostsideOp, st: Settings, log: "HostLog
     return m, doc
 
 
+def hub_mismatch(dep: "Deployment", m: Manifest) -> None:
+    """The head's manifest is what the workers are verified against: when this run's checkpoint came
+    from the Hub (modelfetch/resolve.py), its LFS files must still have the Hub's sha256 (a blob changed
+    on the head since fetch-model verified it would otherwise be copied everywhere, verified)."""
+    want = dep.checkpoint.hub_sha256() if dep.checkpoint is not None else {}
+    bad = [f"{rel} (Hub {want[rel][:12]}, head {sha[:12]})" for rel, _, sha in m.files
+           if rel in want and want[rel] != sha]
+    if bad:
+        raise HostFailure(f"the head's copy differs from the Hub's sha256 for {', '.join(bad[:5])}: nothing was "
+                          f"pushed; run `deployctl fetch-model --rehash` to fetch those files again")
+
+
 def verify(dep: "Deployment", host: "Host", op: HostsideOp, m: Manifest, st: Settings, log: "HostLog") -> Verdict:
     root = dep.checkpoint_dir(host)
     with remote.connect(host, dep.cluster, st.connect_timeout) as s:
@@ -153,6 +165,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
                 f"the head {head.name} cannot read {', '.join(doc['missing_required'])}: rsync runs on "
                 f"the head and needs there a key authorized on the workers and a known_hosts file with "
                 f"their host keys; pass --head-key/--head-known-hosts (paths on the head)")
+        hub_mismatch(dep, m)
         got["m"] = m
         cached = m.hashed_bytes == 0
         msg = (f"manifest of {m.describe()} (digest {m.digest}), "

@@ -47,11 +47,15 @@ def cache_file(nvme_dir: str, checkpoint_dir: str) -> str:
     return str(PurePosixPath(nvme_dir) / ".deployctl" / "modelsync" / f"{key}.json")
 
 
-def revision_note(revision: str, checkpoint_dir: str) -> str:
-    """How the plan shows the revision: a commit is pinned; a branch or tag name is not."""
+def revision_note(revision: str, checkpoint_dir: str, resolved: str = "") -> str:
+    """How the plan shows the revision: a commit is pinned; a branch or tag name is not (RESOLVED:
+    the commit this run resolved it to, modelfetch/resolve.py)."""
     if checkpoint_dir:
         return f"folder {checkpoint_dir} (revision {revision} as recorded in the recipe)"
     if COMMIT.match(revision):
         return f"revision {revision[:12]} (pinned commit)"
+    if resolved and resolved != revision:
+        return (f"revision {revision!r} = commit {resolved[:12]} for this run (NOT pinned: the branch may move; "
+                f"pin model.revision to {resolved} for an exact checkpoint)")
     return (f"revision {revision!r} (NOT pinned: a branch or tag; pin model.revision to the commit "
             f"in the head's snapshots/ for an exact checkpoint)")

@@ -14,11 +14,11 @@ from ..plan import Plan, StagePlan
 from ..runoptions import RunOptions
 from ..sizing import plan_extra
 from ..sizing import require_fit as check_fit
-from . import (build, health, launch, preflight, ship, stage_engram, sync_model, write_ple)
+from . import (build, fetch_model, health, launch, preflight, ship, stage_engram, sync_model, write_ple)
 from .base import Stage
 
 STAGES: tuple[Stage, ...] = (
-    preflight.STAGE, build.STAGE, ship.STAGE, sync_model.STAGE, stage_engram.STAGE,
+    preflight.STAGE, build.STAGE, ship.STAGE, fetch_model.STAGE, sync_model.STAGE, stage_engram.STAGE,
     write_ple.STAGE, launch.STAGE, health.STAGE,
 )
 NAMES = tuple(s.name for s in STAGES)
@@ -60,6 +60,8 @@ def build_plan(dep: Deployment, only: tuple[str, ...] = (), skip: tuple[str, ...
         stages.append(StagePlan(st.name, tuple(actions), note, stage=st))
     extra: dict[str, Any] = {}
     extra.update(plan_extra(dep))
+    if dep.checkpoint is not None:           # the resolved commit: in plan.json of the run record
+        extra["checkpoint"] = dep.checkpoint.to_json()
     return Plan(dep, tuple(stages), extra)
 
 

@@ -21,9 +21,9 @@ def plan(dep, options: RunOptions):
     head = c.head_host
     st = Settings.from_options(options)
     src = dep.checkpoint_dir(head)
-    what = f"{m.repo}@{m.revision[:12]}"
-    pinned = revision_note(m.revision, m.checkpoint_dir)
-    details = {"repo": m.repo, "revision": m.revision, "source": m.source, "head": head.name,
+    what = f"{m.repo}@{dep.snapshot[:12]}"
+    pinned = revision_note(m.revision, m.checkpoint_dir, dep.snapshot)
+    details = {"repo": m.repo, "revision": m.revision, "commit": dep.snapshot, "source": m.source, "head": head.name,
                "checkpoint_dir": src}
     if not c.workers:
         return [], f"single host: the head's copy of {what} is the only one"

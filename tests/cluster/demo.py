@@ -1,17 +1,18 @@
 """`python -m tests.cluster demo`: the local test cluster ready for `deployctl up`.
 
 Brings the 4-host cluster `local` up (or keeps it when every host already answers), puts the base
-image the build stage starts from into the head's engine, and writes a synthetic checkpoint shaped
-like the inventory's (scaled) recipe into the head's model cache; the pipeline does the rest
-(build, ship, sync-model to the workers, staging, launch of the engine double, health).
+image the build stage starts from into the head's engine, writes a synthetic checkpoint shaped like
+the inventory's (scaled) recipe and publishes it on the cluster's own Hugging Face Hub endpoint
+(tests/hub_endpoint.py, served from the last host); the pipeline does the rest (build, ship,
+fetch-model from that endpoint with the real Hub client, sync-model to the workers, staging, launch
+of the engine double, health).
 """
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Callable
 
-from .cluster import TestCluster, cluster_lock
+from .cluster import TestCluster, _write_atomic, cluster_lock, demo_hub_url, render_inventory, state_dir
 from .images import DEBIAN_IMAGE, ensure_base_images
 
 
@@ -39,8 +40,10 @@ def prepare(name: str = "local", n_hosts: int = 4, log: Callable[[str], None] = 
     ensure_base_images()
     head = c.hosts[0]
     c.load_image(head, DEBIAN_IMAGE)          # what the build stage's chain starts from
+    url = demo_hub_url(c.hosts)
+    _write_atomic(c.inventory_path, render_inventory(c.name, c.hosts, c.deployment, hub=url))
     dep = load_deployment(c.inventory_path)
-    folder = Path(dep.checkpoint_dir(dep.cluster.head_host))
+    folder = state_dir(name) / "hub-src" / dep.recipe.model.repo
     tensors = synth.recipe_tensors(dep.recipe)
     marker = folder / ".synthetic.json"
     config = synth.recipe_config(dep.recipe)
@@ -48,8 +51,14 @@ def prepare(name: str = "local", n_hosts: int = 4, log: Callable[[str], None] = 
     if not (marker.exists() and marker.read_text() == want):
         synth.write_checkpoint(folder, tensors, config=config)
         marker.write_text(want)
-        log(f"wrote a synthetic checkpoint for {dep.recipe.name} to {folder} on {head.name}")
+        log(f"wrote a synthetic checkpoint for {dep.recipe.name} to {folder}")
     else:
         log(f"synthetic checkpoint already in {folder}")
+    from tests.hub_endpoint import publish
+    root = state_dir(name) / "hub"
+    commit = publish(root, dep.recipe.model.repo, folder)
+    c.start_hub(c.hosts[-1], root)
+    log(f"published {dep.recipe.model.repo}@{commit[:12]} (main) on the cluster's Hub endpoint {url} "
+        f"({c.hosts[-1].name}); deployctl up fetches it onto {head.name}")
     log(f"ready: deployctl up -i {c.inventory_path}")
     return c

@@ -3,7 +3,9 @@
 - dctl-busybox:latest  the busybox-static binary plus its applet links (a few MB, made in ~1 s)
 - dctl-debian:bookworm debootstrap minbase + python3 + ca-certificates (~260 MB, ~1 min the first
                        time; the rootfs tarball is cached under CACHE_DIR so a wiped engine re-imports
-                       it in seconds)
+                       it in seconds), plus the Hugging Face Hub client (HUB_CLIENT, from PyPI wheels
+                       cached under CACHE_DIR), as the vLLM and SGLang images the double stands in for
+                       ship it: fetch-model runs it from the serving image
 
 Both are cached in the local engine: `docker image inspect` finds them -> nothing is done.
 """
@@ -24,6 +26,10 @@ DEBIAN_IMAGE = "dctl-debian:bookworm"
 CACHE_DIR = Path("/var/cache/deployctl-testcluster")
 DEBIAN_TARBALL = CACHE_DIR / "dctl-debian-bookworm.rootfs.tar"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
+DEBIAN_ROOTFS_IMAGE = "dctl-debian-rootfs:bookworm"
+HUB_CLIENT = "huggingface_hub==2.4.0"          # the same pin as pyproject's test extra
+HUB_LABEL = "deployctl.hub-client"
+WHEELS_DIR = CACHE_DIR / "wheels"
 LOCAL_ENGINE = "unix:///var/run/docker.sock"
 
 
@@ -137,9 +143,43 @@ def _debootstrap_tarball() -> None:
 def build_debian(engine: str = LOCAL_ENGINE) -> None:
     if not DEBIAN_TARBALL.exists():
         _debootstrap_tarball()
-    _import_tar(["cat", str(DEBIAN_TARBALL)], DEBIAN_IMAGE,
-                ['CMD ["/bin/bash"]', "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                 "ENV LANG=C.UTF-8"], engine)
+    if not image_present(DEBIAN_ROOTFS_IMAGE, engine):
+        _import_tar(["cat", str(DEBIAN_TARBALL)], DEBIAN_ROOTFS_IMAGE,
+                    ['CMD ["/bin/bash"]', "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                     "ENV LANG=C.UTF-8"], engine)
+    _add_hub_client(engine)
+
+
+def _add_hub_client(engine: str) -> None:
+    """DEBIAN_IMAGE = the rootfs + HUB_CLIENT and its dependencies in /usr/local/lib/python3.11/
+    dist-packages (installed here with --target: this machine's python is 3.11 on x86_64, as bookworm's)."""
+    import sys
+    if sys.version_info[:2] != (3, 11):
+        raise RuntimeError(f"the image's python is 3.11; installing {HUB_CLIENT} for it needs python 3.11 here")
+    WHEELS_DIR.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    have = subprocess.run([*pip, "download", "--no-index", "--find-links", str(WHEELS_DIR), "-d", str(WHEELS_DIR),
+                           HUB_CLIENT], capture_output=True, text=True)
+    if have.returncode != 0:
+        subprocess.run([*pip, "download", "-d", str(WHEELS_DIR), HUB_CLIENT], check=True, capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="dctl-debian-hub-") as tmp:
+        site = Path(tmp) / "site"
+        subprocess.run([*pip, "install", "--no-index", "--find-links", str(WHEELS_DIR), "--target", str(site),
+                        HUB_CLIENT], check=True, capture_output=True)
+        (Path(tmp) / "Dockerfile").write_text(
+            f"FROM {DEBIAN_ROOTFS_IMAGE}\nCOPY site/ /usr/local/lib/python3.11/dist-packages/\n"
+            f"LABEL {HUB_LABEL}={HUB_CLIENT}\n")
+        p = subprocess.run(["docker", "-H", engine, "build", "-q", "-t", DEBIAN_IMAGE, tmp],
+                           capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            raise RuntimeError(f"building {DEBIAN_IMAGE} failed: {p.stderr[-2000:]}")
+
+
+def _debian_current(engine: str) -> bool:
+    """DEBIAN_IMAGE is there and carries this checkout's Hub client (an older one is rebuilt)."""
+    p = _docker(engine, "image", "inspect", "--format", f'{{{{index .Config.Labels "{HUB_LABEL}"}}}}',
+                DEBIAN_IMAGE, capture_output=True, text=True)
+    return p.returncode == 0 and p.stdout.strip() == HUB_CLIENT
 
 
 def ensure_base_images(engine: str = LOCAL_ENGINE, debian: bool = True) -> list[str]:
@@ -149,7 +189,7 @@ def ensure_base_images(engine: str = LOCAL_ENGINE, debian: bool = True) -> list[
         if not image_present(BUSYBOX_IMAGE, engine):
             build_busybox(engine)
             made.append(BUSYBOX_IMAGE)
-        if debian and not image_present(DEBIAN_IMAGE, engine):
+        if debian and not _debian_current(engine):
             build_debian(engine)
             made.append(DEBIAN_IMAGE)
     return made

@@ -1,0 +1,100 @@
+"""The download as one container run on the head, and its progress on the console.
+
+The serving image is already on the head when fetch-model runs (build is native there) and ships
+huggingface_hub (vLLM and SGLang depend on it), so a fresh head needs nothing installed: the stage
+runs hostside/hubfetch.py `fetch` with the image's python3, as the head's user (the cache stays
+theirs), with the model cache and deployctl's state folder mounted at the same paths, the token
+inside the job on stdin. A container left by an interrupted run (Ctrl-C, a lost controller) is
+removed first; its partial file stays, and this run resumes it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from ..executors.docker_cli import docker_argv
+from ..hostside.hubfetch import BOOTSTRAP
+from ..modelsync.progress import Progress
+from ..modelsync.settings import cache_file
+from .resolve import HOSTSIDE, job_base
+from .resolved import Resolved
+
+if TYPE_CHECKING:
+    from ..deployment import Deployment
+    from ..runrecord import HostLog, RunContext
+
+KILL_GRACE_S = 30
+BASE_TIMEOUT_S = 600
+MIN_RATE = 20e6                       # B/s the whole-download timeout assumes at least
+
+
+def container_name(dep: "Deployment") -> str:
+    return f"deployctl-fetch-{dep.name}"
+
+
+@dataclass(frozen=True)
+class FetchJob:
+    image: str
+    container: str
+    argv: tuple[str, ...]             # on the head, the `timeout`-bounded docker run
+    job: dict[str, Any]               # the hostside job without the token (plans and records show it)
+    bytes: int                        # still to download
+    timeout_s: int
+
+
+def make_job(dep: "Deployment", r: Resolved, rehash: bool = False) -> FetchJob:
+    head = dep.cluster.head_host
+    job = {**job_base(dep, rehash), "commit": r.commit, "files": list(r.files),
+           "modelsync_cache": cache_file(head.nvme_dir, dep.checkpoint_dir(head))}
+    state_dir = str(PurePosixPath(head.nvme_dir) / ".deployctl")
+    todo = int(r.check.get("need_bytes", r.total)) if r.check else r.total
+    timeout_s = int(BASE_TIMEOUT_S + todo / MIN_RATE)
+    name = container_name(dep)
+    run = docker_argv(head, "run", "--rm", "-i", "--name", name, "--network", "host",
+                      "--user", f"{r.uid}:{r.gid}", "--entrypoint", "python3",
+                      "-e", "HF_HOME=/tmp/deployctl-hf-home", "-e", "HF_HUB_DISABLE_PROGRESS_BARS=1",
+                      "-e", "HF_HUB_DISABLE_TELEMETRY=1",
+                      "-v", f"{head.model_cache}:{head.model_cache}", "-v", f"{state_dir}:{state_dir}",
+                      dep.recipe.engine.image, "-c", BOOTSTRAP, str(len(HOSTSIDE.read_bytes())), "fetch")
+    argv = ("timeout", "-k", str(KILL_GRACE_S), str(timeout_s), *run)
+    return FetchJob(dep.recipe.engine.image, name, argv, job, todo, timeout_s)
+
+
+def shown(fj: FetchJob) -> tuple[str, ...]:
+    """The command as the plan shows it (the script and job arrive on stdin)."""
+    return fj.argv
+
+
+class FetchProgress(Progress):
+    """modelsync's per-host progress (bytes, rate, ETA at every further 10 % or 30 s) fed from
+    hubfetch's `progress {json}` lines; other lines go to the host's log."""
+
+    def __init__(self, host: str, total: int, ctx: "RunContext", log: "HostLog"):
+        super().__init__(host, total, ctx, log)
+        self.last: dict[str, Any] = {}
+
+    def line(self, text: str) -> None:
+        if not text.startswith("progress "):
+            self.log.write(text)
+            return
+        try:
+            doc = json.loads(text[len("progress "):])
+        except ValueError:
+            return
+        self.last = doc
+        self.total = int(doc.get("total") or self.total)
+        self.done = int(doc.get("done", 0)) + int(doc.get("file_done", 0))
+        now = self.clock()
+        if now - self._logged_t >= 2.0:
+            self._logged_t = now
+            self.log.write(f"{doc.get('file')}: {self.describe(now)}")
+        step = int(self.pct // 10) * 10
+        if step > self._said_pct or now - self._said_t >= 30.0:
+            self._said_pct, self._said_t = step, now
+            self.ctx.say(f"  [dim]{self.host}[/dim] {self.describe(now)} ({doc.get('file')})")
+
+
+def job_stdin(fj: FetchJob, token: str) -> bytes:
+    return HOSTSIDE.read_bytes() + json.dumps({**fj.job, "token": token}).encode()
