@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -307,6 +308,8 @@ def test_noop_on_real_size_checkpoint_is_fast(tmp_path):
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc["status"] == "skipped" and doc["reason"].startswith("already staged: rank 2 of 4"), doc
-    assert "proven: 32 of 758 chunks (2.15 GB)" in doc["reason"], doc["reason"]
+    # 32 chunks of 64 MiB from a random start: one of them may be a file's shorter last chunk
+    m = re.search(r"proven: 32 of 758 chunks \((\d+\.\d+) GB\)", doc["reason"])
+    assert m and 1.9 <= float(m.group(1)) <= 2.15, doc["reason"]
     print(f"no-op with a 2 GiB sample on the real geometry: {took:.2f} s")
     assert took < 6.0, took          # a sanity bound (a full re-hash takes minutes); bench/ measures

@@ -1,8 +1,8 @@
 """fetch-model on the test cluster: the real huggingface_hub client (in the serving image on the head)
 against a Hub endpoint served from another test host (tests/hub_endpoint.py), with HF_ENDPOINT.
 
-A full fetch and its no-op, then sync-model from what it fetched; a download killed mid-file resumed
-from its partial file; a corrupted byte served (found, the blob deleted, nothing published); a gated
+A full fetch, its no-op and `plan --check`, then sync-model from what it fetched; a download
+interrupted mid-file (Ctrl-C, its container killed) resumed from its partial file; a corrupted byte served (found, the blob deleted, nothing published); a gated
 repo without a token (refused, nothing written) and with one (fetched, the token nowhere in records);
 a head without room (refused before a byte); a revision and a repo that do not exist."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -116,6 +116,18 @@ def test_fetch_then_noop_then_sync_from_it(cluster, hub, tmp_path):
     assert res["status"] == "skipped" and "up to date" in res["message"], res
     assert FIGURES["noop_fetch_s"] < 15, FIGURES
 
+    # --rehash reads every blob again instead of trusting the stat: all verified, nothing downloaded
+    p = fetch(inv, repo, "--rehash")
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = next(r for r in results(json.loads(p.stdout)) if r["stage"] == "fetch-model")
+    assert res["status"] == "ok" and res["data"]["downloaded_bytes"] == 0, res
+
+    # plan --check asks the Hub now and says what main is and that the head holds it
+    p = dctl("plan", "-i", str(inv), "--check", "--set", f"model.repo={repo}", "--set", "model.revision=main",
+             "--set", 'model.allow_patterns=["*.safetensors", "*.json"]', "--set", f"engine.image={DEBIAN_IMAGE}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"= commit {commit[:12]}" in p.stderr and "NOT pinned" in p.stderr and "all of them verified" in p.stderr
+
     # sync-model resolves "main" from the head's refs (what the fetch wrote) and gets the Hub's
     # sha256 for every shard from the fetch (hashes only the small config.json itself)
     p = dctl("sync-model", "-i", str(inv), "--set", f"model.repo={repo}", "--set", "model.revision=main",
@@ -128,17 +140,19 @@ def test_fetch_then_noop_then_sync_from_it(cluster, hub, tmp_path):
     assert head_res["data"]["hashed_bytes"] < 1_000_000, head_res      # the shards' hashes came from the Hub
 
 
-def test_killed_download_resumes_from_its_partial_file(cluster, hub, tmp_path):
+@pytest.mark.parametrize("how", ["ctrl-c", "container-killed"])
+def test_interrupted_download_resumes_from_its_partial_file(cluster, hub, tmp_path, how):
     url, root = hub
-    repo = "synthetic/fetch-resume"
+    repo = f"synthetic/fetch-resume-{how}"
     src = make_repo(tmp_path, "resume", shards=1, shard_bytes=120_000_000)
     commit = publish(root, repo, src)
-    set_faults(root, repo, rate=30_000_000)                  # 4 s for the shard: time to kill it
+    set_faults(root, repo, rate=30_000_000)                  # 4 s for the shard: time to interrupt it
     inv = inventory(cluster, tmp_path, url)
+    name = f"deployctl-fetch-{yaml.safe_load(inv.read_text())['all']['vars']['deployment']}"
     blob_dir = repo_dir(cluster, repo) / "blobs"
-    box: dict = {}
-    t = threading.Thread(target=lambda: box.setdefault("p", fetch(inv, repo)))
-    t.start()
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "fetch-model", "-i", str(inv),
+                             "--set", f"model.repo={repo}", "--set", f"engine.image={DEBIAN_IMAGE}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         parts = list(blob_dir.glob("*.incomplete")) if blob_dir.exists() else []
@@ -146,11 +160,17 @@ def test_killed_download_resumes_from_its_partial_file(cluster, hub, tmp_path):
             break
         time.sleep(0.1)
     else:
+        proc.kill()
         pytest.fail("the download never got going")
-    k = cluster.nsexec(cluster.hosts[0], ["docker", "kill", f"deployctl-fetch-{yaml.safe_load(inv.read_text())['all']['vars']['deployment']}"])
-    assert k.returncode == 0, k.stderr
-    t.join(120)
-    assert box["p"].returncode == 1, box["p"].stderr[-2000:]
+    if how == "ctrl-c":
+        proc.send_signal(signal.SIGINT)
+    else:
+        k = cluster.nsexec(cluster.hosts[0], ["docker", "kill", name])
+        assert k.returncode == 0, k.stderr
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == (130 if how == "ctrl-c" else 1), err[-2000:]
+    ps = cluster.nsexec(cluster.hosts[0], ["docker", "ps", "-a", "--filter", f"name={name}", "-q"])
+    assert ps.stdout.strip() == "", "no download left running or lying around"
     kept = list(blob_dir.glob("*.incomplete"))
     assert kept and kept[0].stat().st_size >= 30_000_000
     partial = kept[0].stat().st_size

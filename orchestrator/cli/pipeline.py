@@ -67,9 +67,11 @@ def run_stages(*, command: str, inventory: str | None, recipe: str | None, sets:
     back under the same lock, with its own run record; the command still exits 1."""
     dep = load_deployment(inventory, recipe, sets)
     stages = select(only, skip)
-    # the commit this run uses, once, before planning (a branch that moves mid-run changes nothing)
-    dep = resolve_checkpoint(dep, stages, rehash=bool(options and options.fetch_rehash))
-    plan = build_plan(dep, only=only, skip=skip, options=options)
+    plan = build_plan(dep, only=only, skip=skip, options=options)   # bad input is refused before any host
+    # the commit this run uses, once (a branch that moves mid-run changes nothing), then the plan with it
+    resolved = resolve_checkpoint(dep, stages, rehash=bool(options and options.fetch_rehash))
+    if resolved is not dep:
+        dep, plan = resolved, build_plan(resolved, only=only, skip=skip, options=options)
     if lock is None:
         lock = changes_hosts(stages, options or RunOptions())
     out = dict(as_json=as_json, verbose=verbose, quiet=quiet)

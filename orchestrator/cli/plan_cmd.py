@@ -36,16 +36,18 @@ def plan_command(inventory, recipe, sets, as_json, verbose, quiet, only, skip, c
     outcome = None
     if not as_json:
         print_plan(plan, verbose=verbose)
-    rotation = None
+    rotation = checkpoint = None
     if check and sizing["fits"]:
         outcome = _preflight(dep, as_json, verbose, quiet)
         if outcome.exit_code == 0:     # the hosts answer: ask their engines which key they run with
             rotation = _key_rotation(dep, as_json)
+            checkpoint = _checkpoint(dep, as_json, tuple(only), tuple(skip))
     if as_json:
         doc = plan.to_json()
         if outcome is not None:
             doc["preflight"] = outcome.to_json()
             doc["api_key_rotation"] = rotation
+            doc["checkpoint"] = checkpoint
         emit_json(doc)
     if not sizing["fits"]:
         from ..sizing import refusal
@@ -85,6 +87,27 @@ def _key_rotation(dep, as_json: bool) -> str | None:
     if change and not as_json:
         STDERR.print(f"launch: {change}", markup=False, highlight=False, soft_wrap=True)
     return change
+
+
+def _checkpoint(dep, as_json: bool, only: tuple[str, ...], skip: tuple[str, ...]) -> dict | None:
+    """What fetch-model would fetch, asked now (the Hub, from the head): the commit a branch resolves
+    to, the files and bytes, what the head already holds. Exit 2 for what the run would refuse."""
+    from ..modelfetch.resolve import fetches, run_resolve
+    from ..modelsync.manifest import gb
+    from ..modelsync.settings import revision_note
+    from ..stages import select
+    if not fetches(dep, select(only, skip)):
+        return None
+    r = run_resolve(dep, ask_hub=True)
+    c = r.check
+    have = ("all of them verified on the head" if r.up_to_date else
+            f"{c.get('missing_count', len(r.files))} to fetch, {gb(c.get('need_bytes', r.total))}; "
+            f"{gb(c.get('free_bytes', 0))} free at {c.get('free_path', '?')}"
+            + ("" if c.get("fits", True) else " (NOT enough: up refuses it)"))
+    if not as_json:
+        STDERR.print(f"fetch-model: {dep.recipe.model.repo} {revision_note(r.revision, '', r.commit)}: "
+                     f"{len(r.files)} files, {gb(r.total)}; {have}", markup=False, highlight=False, soft_wrap=True)
+    return r.to_json()
 
 
 def register(cli: click.Group) -> None:

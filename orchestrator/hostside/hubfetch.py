@@ -409,7 +409,7 @@ def op_fetch(job: dict) -> dict:
     verified: dict[str, dict] = {}
     bad: list[str] = []
     meter = Meter(sum(f["size"] for f in job["files"]), sum(f["size"] for f in done))
-    downloaded = 0
+    downloaded = reverified = 0
     try:
         for f in todo:
             name, size, lfs = f["name"], f["size"], bool(f["sha256"])
@@ -418,6 +418,7 @@ def op_fetch(job: dict) -> dict:
             if os.path.exists(blob) and hash_file(blob, lfs, size) == want:
                 _link(snap, name, blob)                 # a blob another commit or an earlier run left
                 meter.done += size
+                reverified += 1
                 continue
             if os.path.exists(blob):
                 os.unlink(blob)
@@ -478,7 +479,7 @@ def op_fetch(job: dict) -> dict:
     state = load_state(job["state"]) or {"version": STATE_VERSION, "repo": job["repo"], "commits": {}}
     state["commits"][job["commit"]] = {"revision": job["revision"], "files": verified, "verified_at": time.time()}
     write_json(job["state"], state)
-    return {"commit": job["commit"], "files": len(job["files"]), "fetched": len(todo),
+    return {"commit": job["commit"], "files": len(job["files"]), "fetched": len(todo) - reverified, "reverified": reverified,
             "downloaded_bytes": downloaded, "resumed_bytes": partial, "total_bytes": meter.total,
             "seconds": round(time.monotonic() - t0, 3), "snapshot": snap}
 

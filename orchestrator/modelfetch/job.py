@@ -54,6 +54,7 @@ def make_job(dep: "Deployment", r: Resolved, rehash: bool = False) -> FetchJob:
     name = container_name(dep)
     run = docker_argv(head, "run", "--rm", "-i", "--name", name, "--network", "host",
                       "--user", f"{r.uid}:{r.gid}", "--entrypoint", "python3",
+                      "-e", f"HF_ENDPOINT={dep.cluster.hf_endpoint}",      # the client's own setting
                       "-e", "HF_HOME=/tmp/deployctl-hf-home", "-e", "HF_HUB_DISABLE_PROGRESS_BARS=1",
                       "-e", "HF_HUB_DISABLE_TELEMETRY=1",
                       "-v", f"{head.model_cache}:{head.model_cache}", "-v", f"{state_dir}:{state_dir}",
@@ -89,11 +90,17 @@ class FetchProgress(Progress):
         now = self.clock()
         if now - self._logged_t >= 2.0:
             self._logged_t = now
-            self.log.write(f"{doc.get('file')}: {self.describe(now)}")
+            self.log.write(f"{self.describe(now)}; {self.file_text(doc)}")
         step = int(self.pct // 10) * 10
         if step > self._said_pct or now - self._said_t >= 30.0:
             self._said_pct, self._said_t = step, now
-            self.ctx.say(f"  [dim]{self.host}[/dim] {self.describe(now)} ({doc.get('file')})")
+            self.ctx.say(f"  [dim]{self.host}[/dim] {self.describe(now)}; {self.file_text(doc)}")
+
+    @staticmethod
+    def file_text(doc: dict[str, Any]) -> str:
+        size = int(doc.get("file_size") or 0)
+        done = int(doc.get("file_done") or 0)
+        return f"{doc.get('file')}: {done / 1e9:.2f} of {size / 1e9:.2f} GB" if size else str(doc.get("file"))
 
 
 def job_stdin(fj: FetchJob, token: str) -> bytes:

@@ -16,13 +16,14 @@ from ..modelfetch.access import load_access
 from ..modelfetch.job import FetchProgress, container_name, job_stdin, make_job, shown
 from ..modelfetch.resolve import resolve_argv
 from ..modelsync.manifest import gb
-from ..modelsync.remote import connect, stream
+from ..modelsync.remote import KEEP_TAIL, connect
 from ..outcomes import HostFailure, HostResult, run_per_host
 from ..plan import Action
 from ..runoptions import RunOptions
 from .base import Stage
 
 NAME = "fetch-model"
+IDLE_TIMEOUT_S = 600           # no line for this long (progress comes every second): the head is gone
 
 
 def plan(dep, options: RunOptions):
@@ -41,7 +42,8 @@ def plan(dep, options: RunOptions):
                        f"`plan --check` resolves it now), then download what {where} lacks, verified against "
                        f"the Hub's sha256", command=resolve_argv(),
                        details={"repo": m.repo, "revision": m.revision,
-                                "then": "docker run <serving image> python3 hostside/hubfetch.py fetch (on the head)",
+                                "then": f"hostside/hubfetch.py fetch in a container of the serving image on "
+                                        f"{head.name}'s engine ({head.docker_host})",
                                                      "endpoint": access.endpoint,
                                                      "token": access.token_source or "none",
                                                      "allow_patterns": list(m.allow_patterns)})], ""
@@ -53,8 +55,10 @@ def plan(dep, options: RunOptions):
     if r.offline:
         details["offline"] = r.offline
     if r.up_to_date and not options.fetch_rehash:
+        offline = (f"; the Hub did not answer ({r.offline}): the snapshot this head verified is used"
+                   if r.offline else "")
         return [Action(NAME, head.name, "verified", f"{m.repo}@{pin}: all {len(r.files)} files "
-                       f"({gb(r.total)}) in {where}, verified (decided by size, mtime, ctime, inode)",
+                       f"({gb(r.total)}) in {where}, verified (decided by size, mtime, ctime, inode){offline}",
                        details=details)], ""
     fj = make_job(dep, r, rehash=options.fetch_rehash)
     c = r.check
@@ -85,7 +89,7 @@ def apply(dep, actions, ctx):
         try:
             _prepare(session, dep, fj)
             prog = FetchProgress(head.name, r.total, ctx, log)
-            rc, out, err = stream(session, list(fj.argv), job_stdin(fj, token), fj.timeout_s + 60, prog.line)
+            rc, out, err = _stream(session, fj, job_stdin(fj, token), prog.line, ctx.cancel)
         except BaseException:
             _remove(session, dep)                  # Ctrl-C, a lost link: no download left running
             raise
@@ -103,12 +107,31 @@ def apply(dep, actions, ctx):
         ctx.write_json("fetch-model.json", doc)
         rate = doc["downloaded_bytes"] / secs / 1e6
         resumed = f", resumed {gb(doc['resumed_bytes'])}" if doc.get("resumed_bytes") else ""
+        if doc.get("reverified"):
+            resumed += f", {doc['reverified']} present files hashed again and kept"
         return HostResult(action.host, NAME, "ok",
                           f"fetched {doc['fetched']} files of {doc['files']} at {r.commit[:12]}: "
                           f"{gb(doc['downloaded_bytes'])} in {secs:.1f}s ({rate:.0f} MB/s){resumed}, "
                           f"all verified against the Hub's hashes", data=doc)
 
     return run_per_host(list(actions), ctx, one)
+
+
+def _stream(session, fj, stdin: bytes, on_line, cancel) -> tuple[int, str, str]:
+    """The container run, its output lines handed to ON_LINE as they come; Ctrl-C (CANCEL) or a
+    silent head ends it (the caller then removes the container; the partial file stays)."""
+    from ..executors.ssh import SSHError, SSHTimeout
+    try:
+        with session.open_exec(list(fj.argv), idle_timeout=IDLE_TIMEOUT_S, keep=KEEP_TAIL) as ex:
+            ex.write(stdin)
+            try:
+                r = ex.finish(fj.timeout_s + 60, lambda kind, line: on_line(line), idle_timeout=IDLE_TIMEOUT_S,
+                              cancel=cancel)
+            except SSHTimeout as e:
+                raise HostFailure(f"the download stopped answering: {e}", tail=ex.stderr.splitlines()[-10:]) from None
+    except SSHError as e:
+        raise HostFailure(str(e)) from None
+    return r.rc, r.stdout, r.stderr
 
 
 def _prepare(session, dep, fj) -> None:
