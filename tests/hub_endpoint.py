@@ -37,21 +37,16 @@ LFS_MIN_BYTES = 10 * 1024 * 1024      # and every *.safetensors: what a model re
 CHUNK = 1024 * 1024
 
 
-def git_blob_id(path: Path) -> str:
-    """git's object id of a file: sha1 of "blob <size>\\0" + content (the Hub's blobId and ETag)."""
-    h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
+def file_ids(path: Path) -> tuple[str, str]:
+    """(git's object id: sha1 of "blob <size>\\0" + content, the Hub's blobId and ETag; the sha256, an
+    LFS file's id), from one read. Written here independently of hostside/hubfetch.py, which checks them."""
+    blob = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
+    sha = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+            blob.update(chunk)
+            sha.update(chunk)
+    return blob.hexdigest(), sha.hexdigest()
 
 
 def _repo_dir(root: Path, repo: str) -> Path:
@@ -68,8 +63,8 @@ def publish(root: str | Path, repo: str, src: str | Path, ref: str = "main", *, 
         rel = p.relative_to(src).as_posix()
         size = p.stat().st_size
         lfs = size >= LFS_MIN_BYTES or rel.endswith(".safetensors")
-        index[rel] = {"size": size, "blob_id": git_blob_id(p), "lfs": lfs,
-                      "sha256": sha256_of(p) if lfs else None}
+        blob_id, sha256 = file_ids(p)
+        index[rel] = {"size": size, "blob_id": blob_id, "lfs": lfs, "sha256": sha256 if lfs else None}
     commit = hashlib.sha1(json.dumps(index, sort_keys=True).encode()).hexdigest()
     rdir = _repo_dir(root, repo)
     cdir = rdir / commit

@@ -231,23 +231,47 @@ def plan_files(job: dict) -> tuple[list[dict], list[dict], int]:
     return done, todo, partial
 
 
-def op_check(job: dict) -> dict:
-    done, todo, partial = plan_files(job)
-    need = sum(f["size"] for f in todo) - partial
+def space(job: dict, todo: list[dict], partial: int) -> dict:
+    """What the files to fetch still need (their partial files hold the rest) against the free space
+    of the model cache's filesystem, with the job's margin: what check reports and fetch refuses on."""
     where = nearest_existing(job["model_cache"])
     st = os.statvfs(where)
-    out = {"up_to_date": not todo, "files": len(job["files"]), "current": len(done),
-           "missing": [f["name"] for f in todo][:20], "missing_count": len(todo),
-           "need_bytes": max(0, need), "partial_bytes": partial,
+    out = {"need_bytes": max(0, sum(f["size"] for f in todo) - partial), "partial_bytes": partial,
            "free_bytes": st.f_bavail * st.f_frsize, "free_path": where,
            "margin_bytes": int(job.get("margin_bytes", 0))}
     out["fits"] = not todo or out["need_bytes"] + out["margin_bytes"] <= out["free_bytes"]
+    return out
+
+
+def op_check(job: dict) -> dict:
+    done, todo, partial = plan_files(job)
+    out = {"up_to_date": not todo, "files": len(job["files"]), "current": len(done),
+           "missing": [f["name"] for f in todo][:20], "missing_count": len(todo), **space(job, todo, partial)}
     out["reason"] = (f"{len(done)} files at {job['commit'][:12]} verified (size, mtime, ctime, inode as "
                      f"when their hashes were checked)") if not todo else f"{len(todo)} files to fetch"
     return out
 
 
 # -- the download ----------------------------------------------------------------------------------
+
+def new_hash(lfs: bool, size: int):
+    """What the Hub names a file by: an LFS file's sha256, else git's blob id (sha1 of "blob SIZE\\0" + data)."""
+    return hashlib.sha256() if lfs else hashlib.sha1(f"blob {size}\0".encode())
+
+
+def read_into(h, path: str, limit: int | None = None):
+    """H updated with PATH's first LIMIT bytes (all of it: None)."""
+    left = limit
+    with open(path, "rb") as fh:
+        while left is None or left > 0:
+            b = fh.read(CHUNK if left is None else min(CHUNK, left))
+            if not b:
+                break
+            h.update(b)
+            if left is not None:
+                left -= len(b)
+    return h
+
 
 class HashingFile:
     """The partial file as http_get writes it, hashed as it grows (in a thread of its own, so hashing
@@ -263,9 +287,6 @@ class HashingFile:
         self.thread: threading.Thread | None = None
         self._reset(self.fh.tell())
 
-    def _new(self):
-        return hashlib.sha256() if self.lfs else hashlib.sha1(f"blob {self.size}\0".encode())
-
     def _hasher(self, h) -> None:
         while (b := self.q.get()) is not None:
             h.update(b)
@@ -278,15 +299,7 @@ class HashingFile:
 
     def _reset(self, keep: int) -> None:
         self._stop()
-        self.h = self._new()
-        with open(self.path, "rb") as r:
-            left = keep
-            while left > 0:
-                b = r.read(min(CHUNK, left))
-                if not b:
-                    break
-                self.h.update(b)
-                left -= len(b)
+        self.h = read_into(new_hash(self.lfs, self.size), self.path, keep)
         self.thread = threading.Thread(target=self._hasher, args=(self.h,), daemon=True)
         self.thread.start()
 
@@ -320,11 +333,7 @@ class HashingFile:
 
 
 def hash_file(path: str, lfs: bool, size: int) -> str:
-    h = hashlib.sha256() if lfs else hashlib.sha1(f"blob {size}\0".encode())
-    with open(path, "rb") as fh:
-        while b := fh.read(CHUNK):
-            h.update(b)
-    return h.hexdigest()
+    return read_into(new_hash(lfs, size), path).hexdigest()
 
 
 class Meter:
@@ -399,13 +408,11 @@ def op_fetch(job: dict) -> dict:
     rdir = repo_dir(job)
     blobs, snap = os.path.join(rdir, "blobs"), os.path.join(rdir, "snapshots", job["commit"])
     # Free space first, before a byte is written (the partial files already hold what they hold).
-    need = sum(f["size"] for f in todo) - partial + int(job.get("margin_bytes", 0))
-    where = nearest_existing(job["model_cache"])
-    st = os.statvfs(where)
-    free = st.f_bavail * st.f_frsize
-    if todo and need > free:
+    sp = space(job, todo, partial)
+    if not sp["fits"]:
+        need, free = sp["need_bytes"] + sp["margin_bytes"], sp["free_bytes"]
         raise Fail(f"not enough space for {job['repo']}: {len(todo)} files need {need / 1e9:.1f} GB "
-                   f"(with a {int(job.get('margin_bytes', 0)) / 1e9:.0f} GB margin), {where} has "
+                   f"(with a {sp['margin_bytes'] / 1e9:.0f} GB margin), {sp['free_path']} has "
                    f"{free / 1e9:.1f} GB free: short by {(need - free) / 1e9:.1f} GB; free space or point "
                    f"model_cache at a larger disk", 2)
     hub, fd, build_headers = _client() if todo else (None, None, None)

@@ -18,12 +18,11 @@ from ..executors.docker_cli import docker_argv
 from ..hostside.hubfetch import BOOTSTRAP
 from ..modelsync.progress import Progress
 from ..modelsync.settings import cache_file
-from .resolve import HOSTSIDE, job_base
+from .resolve import job_base, script
 from .resolved import Resolved
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
-    from ..runrecord import HostLog, RunContext
 
 KILL_GRACE_S = 30
 BASE_TIMEOUT_S = 600
@@ -38,7 +37,8 @@ def container_name(dep: "Deployment") -> str:
 class FetchJob:
     image: str
     container: str
-    argv: tuple[str, ...]             # on the head, the `timeout`-bounded docker run
+    argv: tuple[str, ...]             # on the head, the `timeout`-bounded docker run (the plan shows it;
+                                      # the script and the job arrive on stdin)
     job: dict[str, Any]               # the hostside job without the token (plans and records show it)
     bytes: int                        # still to download
     timeout_s: int
@@ -58,23 +58,14 @@ def make_job(dep: "Deployment", r: Resolved, rehash: bool = False) -> FetchJob:
                       "-e", "HF_HOME=/tmp/deployctl-hf-home", "-e", "HF_HUB_DISABLE_PROGRESS_BARS=1",
                       "-e", "HF_HUB_DISABLE_TELEMETRY=1",
                       "-v", f"{head.model_cache}:{head.model_cache}", "-v", f"{state_dir}:{state_dir}",
-                      dep.recipe.engine.image, "-c", BOOTSTRAP, str(len(HOSTSIDE.read_bytes())), "fetch")
+                      dep.recipe.engine.image, "-c", BOOTSTRAP, str(len(script())), "fetch")
     argv = ("timeout", "-k", str(KILL_GRACE_S), str(timeout_s), *run)
     return FetchJob(dep.recipe.engine.image, name, argv, job, todo, timeout_s)
 
 
-def shown(fj: FetchJob) -> tuple[str, ...]:
-    """The command as the plan shows it (the script and job arrive on stdin)."""
-    return fj.argv
-
-
 class FetchProgress(Progress):
     """modelsync's per-host progress (bytes, rate, ETA at every further 10 % or 30 s) fed from
-    hubfetch's `progress {json}` lines; other lines go to the host's log."""
-
-    def __init__(self, host: str, total: int, ctx: "RunContext", log: "HostLog"):
-        super().__init__(host, total, ctx, log)
-        self.last: dict[str, Any] = {}
+    hubfetch's `progress {json}` lines, with the current file's bytes; other lines go to the host's log."""
 
     def line(self, text: str) -> None:
         if not text.startswith("progress "):
@@ -84,17 +75,8 @@ class FetchProgress(Progress):
             doc = json.loads(text[len("progress "):])
         except ValueError:
             return
-        self.last = doc
         self.total = int(doc.get("total") or self.total)
-        self.done = int(doc.get("done", 0)) + int(doc.get("file_done", 0))
-        now = self.clock()
-        if now - self._logged_t >= 2.0:
-            self._logged_t = now
-            self.log.write(f"{self.describe(now)}; {self.file_text(doc)}")
-        step = int(self.pct // 10) * 10
-        if step > self._said_pct or now - self._said_t >= 30.0:
-            self._said_pct, self._said_t = step, now
-            self.ctx.say(f"  [dim]{self.host}[/dim] {self.describe(now)}; {self.file_text(doc)}")
+        self.update(int(doc.get("done", 0)) + int(doc.get("file_done", 0)), self.file_text(doc))
 
     @staticmethod
     def file_text(doc: dict[str, Any]) -> str:
@@ -104,4 +86,4 @@ class FetchProgress(Progress):
 
 
 def job_stdin(fj: FetchJob, token: str) -> bytes:
-    return HOSTSIDE.read_bytes() + json.dumps({**fj.job, "token": token}).encode()
+    return script() + json.dumps({**fj.job, "token": token}).encode()

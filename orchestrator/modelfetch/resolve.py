@@ -11,12 +11,14 @@ without room for what is missing is refused before anything is written (exit 2).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DeployctlError, InputError
 from ..hostside.hubfetch import BOOTSTRAP
+from ..modelsync.remote import error_line
 from .access import load_access
 from .resolved import COMMIT, Resolved
 
@@ -50,7 +52,8 @@ def fetches(dep: "Deployment", stages: tuple[str, ...]) -> bool:
 
 def for_run(dep: "Deployment", stages: tuple[str, ...], rehash: bool = False) -> "Deployment":
     """DEP with the run's checkpoint resolved (dep.checkpoint), or DEP as it is when no stage of the
-    run uses the checkpoint, the recipe names a plain folder, or the revision is pinned and not fetched."""
+    run uses the checkpoint or the recipe names a plain folder; a pinned revision with model_fetch: none
+    is taken as written (nothing to ask the head)."""
     m = dep.recipe.model
     if m.checkpoint_dir or not set(stages) & USES_CHECKPOINT:
         return dep
@@ -72,9 +75,15 @@ def for_run(dep: "Deployment", stages: tuple[str, ...], rehash: bool = False) ->
     return dataclasses.replace(dep, checkpoint=r)
 
 
+@functools.cache
+def script() -> bytes:
+    """hostside/hubfetch.py as sent to the head (read once per process)."""
+    return HOSTSIDE.read_bytes()
+
+
 def resolve_argv() -> tuple[str, ...]:
     """What runs on the head (the script and the job on stdin)."""
-    return ("python3", "-c", BOOTSTRAP, str(len(HOSTSIDE.read_bytes())), "resolve")
+    return ("python3", "-c", BOOTSTRAP, str(len(script())), "resolve")
 
 
 def run_resolve(dep: "Deployment", ask_hub: bool, rehash: bool = False) -> Resolved:
@@ -84,20 +93,19 @@ def run_resolve(dep: "Deployment", ask_hub: bool, rehash: bool = False) -> Resol
     job["ask_hub"] = ask_hub
     if ask_hub:
         job["token"] = load_access(dep.cluster).token
-    script = HOSTSIDE.read_bytes()
     try:
         r = SSHTarget.for_host(head, dep.cluster).run(
-            list(resolve_argv()), timeout=RESOLVE_TIMEOUT_S,
-            stdin=script + json.dumps(job).encode())
+            list(resolve_argv()), timeout=RESOLVE_TIMEOUT_S, stdin=script() + json.dumps(job).encode())
     except SSHError as e:
         raise DeployctlError(f"cannot resolve model.revision {dep.recipe.model.revision!r} on the head: {e}") from None
-    err = next((x[len("error: "):] for x in reversed(r.stderr.splitlines()) if x.startswith("error: ")), "")
+    err = error_line(r.stderr.splitlines())
     if r.rc == 2:
         raise InputError(f"fetch-model on {head.name}: {err}")
     if r.rc != 0:
         raise DeployctlError(f"fetch-model on {head.name}: resolving {dep.recipe.model.repo}@"
                              f"{dep.recipe.model.revision} failed (exit {r.rc}): {err or r.stderr[-300:]}")
     doc = json.loads(r.stdout.strip().splitlines()[-1])
-    return Resolved(doc["commit"], dep.recipe.model.revision, doc["source"] if not COMMIT.match(dep.recipe.model.revision)
-                    or doc["source"] == "hub" else "pinned", tuple(doc["files"]), doc.get("offline", ""),
-                    doc.get("check") or {}, doc.get("uid", 0), doc.get("gid", 0))
+    # source as the head answered (hub, or cache when it fell back): the fetch stage plans from either;
+    # whether the revision is pinned is Resolved.pinned, from the revision itself
+    return Resolved(doc["commit"], dep.recipe.model.revision, doc["source"], tuple(doc["files"]),
+                    doc.get("offline", ""), doc.get("check") or {}, doc.get("uid", 0), doc.get("gid", 0))

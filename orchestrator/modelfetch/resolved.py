@@ -13,7 +13,7 @@ class Resolved:
     """The checkpoint a run uses: the commit (snapshots/<commit>) and, when known, its files."""
     commit: str
     revision: str
-    source: str                                  # hub | cache (refs/ and the state file) | pinned
+    source: str                                  # hub | cache (refs/ and the state file) | pinned (taken as written, not asked)
     files: tuple[dict[str, Any], ...] = ()       # name, size, blob_id, sha256 (LFS files)
     offline: str = ""                            # why the Hub was not reachable (the cache was used)
     check: dict[str, Any] = field(default_factory=dict)   # hubfetch `check` on the head

@@ -40,16 +40,22 @@ class Progress:
         if p is None:
             self.log.write(text)
             return
-        self.done = p[0]
+        self.update(p[0])
+
+    def update(self, done: int, what: str = "") -> None:
+        """DONE bytes so far (WHAT: e.g. the current file, said after the figures): logged every
+        LOG_EVERY_S, said at every further CONSOLE_STEP_PCT or CONSOLE_EVERY_S."""
+        self.done = done
         now = self.clock()
+        tail = f"; {what}" if what else ""
         if now - self._logged_t >= LOG_EVERY_S:
             self._logged_t = now
-            self.log.write(self.describe(now))
+            self.log.write(self.describe(now) + tail)
         step = int(self.pct // CONSOLE_STEP_PCT) * CONSOLE_STEP_PCT
         if step > self._said_pct or now - self._said_t >= CONSOLE_EVERY_S:
             self._said_pct = step
             self._said_t = now
-            self.ctx.say(f"  [dim]{self.host}[/dim] {self.describe(now)}")
+            self.ctx.say(f"  [dim]{self.host}[/dim] {self.describe(now)}{tail}")
 
     def rate(self, now: float | None = None) -> float:
         dt = (now if now is not None else self.clock()) - self.t0

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -46,7 +47,7 @@ def hostside(session: "SSHSession", job: "HostsideOp", data: bytes = b"", timeou
         raise HostFailure(_short(str(e), host, op)) from None
     if r.rc != 0:
         lines = [x for x in r.stderr.splitlines() if not x.startswith("progress ")]
-        err = next((x[len("error: "):] for x in reversed(lines) if x.startswith("error: ")), "")
+        err = error_line(lines)
         if r.rc == 127:
             err = "python3 is not installed on the host (sync-model runs a small stdlib script there)"
         raise HostFailure(err or f"sync-model's host script ({op}) {exit_text(r.rc, ssh=True)}", rc=r.rc,
@@ -55,6 +56,11 @@ def hostside(session: "SSHSession", job: "HostsideOp", data: bytes = b"", timeou
         return json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         raise HostFailure(f"sync-model's host script ({op}) printed no result", tail=r.stderr.splitlines()[-10:])
+
+
+def error_line(lines: list[str]) -> str:
+    """The last `error: ...` line a host script printed (hostside/modelsync.py, hostside/hubfetch.py), or ""."""
+    return next((x[len("error: "):] for x in reversed(lines) if x.startswith("error: ")), "")
 
 
 def _short(msg: str, host: str, op: str) -> str:
@@ -67,17 +73,22 @@ def _short(msg: str, host: str, op: str) -> str:
 
 
 def stream(session: "SSHSession", argv: list[str], stdin: bytes, timeout: float,
-           on_line: Callable[[str], None]) -> tuple[int, str, str]:
+           on_line: Callable[[str], None], *, idle_timeout: float | None = None,
+           cancel: "threading.Event | None" = None) -> tuple[int, str, str]:
     """Run ARGV, feed STDIN, call ON_LINE for each stdout/stderr line (\\r or \\n ended) as it comes
-    (executors/ssh.py RemoteExec). Returns (rc, stdout tail, stderr tail). Past TIMEOUT the channel
-    is closed and HostFailure raised (the command bounds its own run on the host too, with `timeout`)."""
-    from ..executors.ssh import SSHError, SSHTimeout
+    (executors/ssh.py RemoteExec). Returns (rc, stdout tail, stderr tail). Past TIMEOUT, or IDLE_TIMEOUT
+    without a line, the channel is closed and HostFailure raised (the command bounds its own run on the
+    host too, with `timeout`); a set CANCEL (Ctrl-C) ends it with HostFailure("... cancelled")."""
+    from ..executors.ssh import SSHError, SSHSilent, SSHTimeout
     host = session.target.host
     try:
         with session.open_exec(argv, idle_timeout=min(timeout, 60.0), keep=KEEP_TAIL) as ex:
             ex.write(stdin)
             try:
-                r = ex.finish(timeout, lambda kind, line: on_line(line))
+                r = ex.finish(timeout, lambda kind, line: on_line(line), idle_timeout=idle_timeout,
+                              cancel=cancel)
+            except SSHSilent as e:
+                raise HostFailure(str(e), tail=ex.stderr.splitlines()[-10:]) from None
             except SSHTimeout:
                 raise HostFailure(f"{host}: `{argv[0]} ...` did not finish within {timeout:g}s",
                                   tail=ex.stderr.splitlines()[-10:]) from None

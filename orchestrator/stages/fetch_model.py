@@ -13,10 +13,11 @@ import time
 
 from ..executors.docker_cli import docker_argv
 from ..modelfetch.access import load_access
-from ..modelfetch.job import FetchProgress, container_name, job_stdin, make_job, shown
+from ..modelfetch.job import FetchProgress, container_name, job_stdin, make_job
 from ..modelfetch.resolve import resolve_argv
+from ..modelfetch.resolved import COMMIT
 from ..modelsync.manifest import gb
-from ..modelsync.remote import KEEP_TAIL, connect
+from ..modelsync.remote import connect, error_line, stream
 from ..outcomes import HostFailure, HostResult, run_per_host
 from ..plan import Action
 from ..runoptions import RunOptions
@@ -38,7 +39,7 @@ def plan(dep, options: RunOptions):
         # `deployctl plan` contacts no host: the run resolves the revision on the head when it starts
         return [Action(NAME, head.name, "fetch",
                        f"resolve {m.repo}@{m.revision} on {access.endpoint} from {head.name} when the run starts "
-                       f"({'pinned commit' if len(m.revision) == 40 else 'NOT pinned: a branch or tag'}; "
+                       f"({'pinned commit' if COMMIT.match(m.revision) else 'NOT pinned: a branch or tag'}; "
                        f"`plan --check` resolves it now), then download what {where} lacks, verified against "
                        f"the Hub's sha256", command=resolve_argv(),
                        details={"repo": m.repo, "revision": m.revision,
@@ -68,7 +69,7 @@ def plan(dep, options: RunOptions):
     return [Action(NAME, head.name, "fetch",
                    f"download {m.repo}@{pin} from {access.endpoint}: {todo} into {where}; each file's "
                    f"sha256 checked against the Hub's before it enters the snapshot",
-                   command=shown(fj), details={**details, "stdin": "hostside/hubfetch.py and the job (token inside)",
+                   command=fj.argv, details={**details, "stdin": "hostside/hubfetch.py and the job (token inside)",
                                                "timeout_s": fj.timeout_s}, job=fj)], ""
 
 
@@ -89,7 +90,8 @@ def apply(dep, actions, ctx):
         try:
             _prepare(session, dep, fj)
             prog = FetchProgress(head.name, r.total, ctx, log)
-            rc, out, err = _stream(session, fj, job_stdin(fj, token), prog.line, ctx.cancel)
+            rc, out, err = stream(session, list(fj.argv), job_stdin(fj, token), fj.timeout_s + 60, prog.line,
+                                  idle_timeout=IDLE_TIMEOUT_S, cancel=ctx.cancel)
         except BaseException:
             _remove(session, dep)                  # Ctrl-C, a lost link: no download left running
             raise
@@ -97,10 +99,7 @@ def apply(dep, actions, ctx):
             session.close()
         if rc != 0:
             lines = [x for x in err.splitlines() if not x.startswith("progress ")]
-            msg = next((x[len("error: "):] for x in reversed(lines) if x.startswith("error: ")), "")
-            if rc == 125 or "Unable to find image" in err:
-                msg = msg or f"the serving image {fj.image} is not on {head.name}: run `deployctl build` first"
-            raise HostFailure(msg or f"the download exited with {rc}", rc=rc, tail=lines[-10:])
+            raise HostFailure(error_line(lines) or f"the download exited with {rc}", rc=rc, tail=lines[-10:])
         doc = json.loads(out.strip().splitlines()[-1])
         secs = max(time.monotonic() - t0, 1e-3)
         doc.update(revision=r.revision, endpoint=dep.cluster.hf_endpoint, wall_s=round(secs, 3))
@@ -115,23 +114,6 @@ def apply(dep, actions, ctx):
                           f"all verified against the Hub's hashes", data=doc)
 
     return run_per_host(list(actions), ctx, one)
-
-
-def _stream(session, fj, stdin: bytes, on_line, cancel) -> tuple[int, str, str]:
-    """The container run, its output lines handed to ON_LINE as they come; Ctrl-C (CANCEL) or a
-    silent head ends it (the caller then removes the container; the partial file stays)."""
-    from ..executors.ssh import SSHError, SSHTimeout
-    try:
-        with session.open_exec(list(fj.argv), idle_timeout=IDLE_TIMEOUT_S, keep=KEEP_TAIL) as ex:
-            ex.write(stdin)
-            try:
-                r = ex.finish(fj.timeout_s + 60, lambda kind, line: on_line(line), idle_timeout=IDLE_TIMEOUT_S,
-                              cancel=cancel)
-            except SSHTimeout as e:
-                raise HostFailure(f"the download stopped answering: {e}", tail=ex.stderr.splitlines()[-10:]) from None
-    except SSHError as e:
-        raise HostFailure(str(e)) from None
-    return r.rc, r.stdout, r.stderr
 
 
 def _prepare(session, dep, fj) -> None:
