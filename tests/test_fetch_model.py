@@ -273,5 +273,28 @@ def test_missing_revision_or_repo_is_bad_input(cluster, hub, tmp_path, what):
     assert not repo_dir(cluster, "synthetic/no-such-repo").exists()
 
 
+def test_hub_unreachable_a_verified_pinned_snapshot_still_serves(cluster, hub, tmp_path):
+    url, root = hub
+    repo = "synthetic/fetch-offline"
+    commit = publish(root, repo, make_repo(tmp_path, "offline", shards=1, shard_bytes=2_000_000))
+    inv = inventory(cluster, tmp_path, url)
+    pinned = ("fetch-model", "-i", str(inv), "--set", f"model.repo={repo}", "--set", f"model.revision={commit}",
+              "--set", f"engine.image={DEBIAN_IMAGE}", "--json")
+    p = dctl(*pinned)
+    assert p.returncode == 0, p.stderr[-3000:]
+    cluster.stop_hub(cluster.hosts[-1])
+    try:
+        p = dctl(*pinned)
+        assert p.returncode == 0, p.stderr[-3000:]
+        doc = json.loads(p.stdout)
+        res = next(r for r in results(doc) if r["stage"] == "fetch-model")
+        assert res["status"] == "skipped" and "up to date" in res["message"], res
+        plan = json.loads((Path(doc["run_dir"]) / "plan.json").read_text())
+        summary = " ".join(a["summary"] for s in plan["stages"] for a in s["actions"])
+        assert "the Hub did not answer" in summary and plan["checkpoint"]["source"] == "cache", summary
+    finally:
+        cluster.start_hub(cluster.hosts[-1], root)
+
+
 def test_zz_report_figures():
     print(f"\nfetch-model figures: {json.dumps({k: round(v, 2) for k, v in FIGURES.items()})}")
