@@ -6,6 +6,7 @@ so a typo is an error instead of a silent default.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -26,7 +27,10 @@ HOST_KEYS = {
     "nvme_dir": "folder on local NVMe for staged tables (Engram rows, PLE file)",
     "model_cache": "folder holding the checkpoint (HF cache layout or plain)",
     "fabric_iface": "override: the fabric netdev for NCCL/GLOO/UCX",
-    "fabric_address": "override: this host's address on the fabric",
+    "fabric_address": "this host's address on the fabric, optionally with its prefix (192.168.100.11/24): "
+                      "launch and the fabric check use it; `fabric plan` writes it",
+    "fabric_links": "switchless mesh/ring: per peer host, the link's netdev and this end's address, "
+                    "{PEER: {iface: NETDEV, address: A.B.C.D/NN}} (fabric_topology: mesh)",
     "docker_host": "the Docker engine socket on this host (default unix:///var/run/docker.sock)",
     "expect_gpus": "preflight opt-out: false skips the GPU checks (NVIDIA runtime, nvidia-smi) on hosts "
                    "without GPUs, e.g. the test cluster (default true)",
@@ -50,10 +54,25 @@ CLUSTER_KEYS = {
     "model_fetch": "how the head gets the checkpoint: hub (default: fetch-model downloads the recipe's "
                    "model.repo into the head's model_cache) or none (it is put there by other means)",
     "hf_endpoint": "the Hugging Face Hub (or mirror) fetch-model downloads from (default https://huggingface.co)",
+    "fabric_topology": "how the hosts' fabric ports are cabled: switch (default), direct (two hosts, one "
+                       "cable) or mesh (every linked pair its own cable and subnet; a ring is a mesh with "
+                       "fewer links; needs fabric_links)",
     "hf_token_file": "file on the controller holding a Hub token for gated or private repos (relative: to "
                      "this inventory); default: the HF_TOKEN environment variable, if set",
 }
 DEFAULT_INVENTORY = INVENTORIES_DIR / "local4.yml"
+
+
+TOPOLOGIES = ("switch", "direct", "mesh")
+
+
+@dataclass(frozen=True)
+class FabricLink:
+    """One end of a direct cable (fabric_topology: mesh): this host's netdev and address towards PEER."""
+    peer: str
+    iface: str
+    address: str                         # without the prefix
+    network: str                         # the link's subnet, e.g. 192.168.10.0/30
 
 
 @dataclass(frozen=True)
@@ -70,6 +89,8 @@ class Host:
     key_file: str | None = None
     fabric_iface: str | None = None
     fabric_address: str | None = None
+    fabric_network: str | None = None    # the fabric address's subnet when the inventory gave a prefix
+    fabric_links: tuple[FabricLink, ...] = ()
     docker_host: str = "unix:///var/run/docker.sock"
     expect_gpus: bool = True             # false: preflight skips the GPU checks (documented opt-out)
     expect_arch: str | None = None       # preflight: the `uname -m` expected instead of the kind's
@@ -98,6 +119,7 @@ class Cluster:
     model_fetch: str = "hub"             # fetch-model: "hub" downloads the checkpoint, "none" does not
     hf_endpoint: str = "https://huggingface.co"
     hf_token_file: str | None = None     # a Hub token (orchestrator/modelfetch/access.py); else $HF_TOKEN
+    fabric_topology: str = "switch"      # switch | direct | mesh (orchestrator/fabric/topology.py)
 
     @property
     def head_host(self) -> Host:
@@ -236,6 +258,10 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     if token_file is not None:
         tf = Path(_expand(str(token_file)) or "")
         token_file = str(tf if tf.is_absolute() else p.parent / tf)
+    topology = cvars.get("fabric_topology", "switch")
+    if topology not in TOPOLOGIES:
+        raise err(f"expected one of {', '.join(TOPOLOGIES)}, got {topology!r}", "all.vars.fabric_topology")
+    _check_links(hosts, topology, err)
     return Cluster(
         name=deployment,
         file=p,
@@ -252,7 +278,39 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         model_fetch=model_fetch,
         hf_endpoint=hf_endpoint.rstrip("/"),
         hf_token_file=token_file,
+        fabric_topology=topology,
     )
+
+
+def _check_links(hosts: list[Host], topology: str, err) -> None:
+    """Mesh links name hosts of this inventory, and both ends of a cable agree on its subnet."""
+    by_name = {h.name: h for h in hosts}
+    if topology == "direct" and len(hosts) != 2:
+        raise err(f"fabric_topology direct is one cable between two hosts; this inventory has {len(hosts)} "
+                  "(use switch or mesh)", "all.vars.fabric_topology")
+    if topology != "mesh":
+        linked = next((h for h in hosts if h.fabric_links), None)
+        if linked:
+            raise err(f"fabric_links is for fabric_topology: mesh (this inventory's topology is {topology})",
+                      f"all.hosts.{linked.name}.fabric_links")
+        return
+    for h in hosts:
+        if not h.fabric_links and len(hosts) > 1:
+            raise err(f"host {h.name}: fabric_topology mesh needs fabric_links (its cable to each peer)",
+                      f"all.hosts.{h.name}.fabric_links")
+        for link in h.fabric_links:
+            key = f"all.hosts.{h.name}.fabric_links.{link.peer}"
+            peer = by_name.get(link.peer)
+            if peer is None or peer.name == h.name:
+                raise err(f"host {h.name}: fabric_links names {link.peer!r}, not another host of this "
+                          f"inventory (hosts: {', '.join(by_name)})", key)
+            back = next((x for x in peer.fabric_links if x.peer == h.name), None)
+            if back is None:
+                raise err(f"host {h.name} has a link to {peer.name}, but {peer.name}'s fabric_links has "
+                          f"none back to {h.name}: describe both ends of the cable", key)
+            if back.network != link.network:
+                raise err(f"the cable {h.name}-{peer.name} has two subnets: {link.address} is in "
+                          f"{link.network}, {back.address} in {back.network}; both ends need one subnet", key)
 
 
 def _host(name: str, hv: dict, key: str, file: str, lines: dict[str, int]) -> Host:
@@ -309,17 +367,46 @@ def _host(name: str, hv: dict, key: str, file: str, lines: dict[str, int]) -> Ho
     if host_ram is not None and (isinstance(host_ram, bool) or not isinstance(host_ram, (int, float))
                                  or host_ram <= 0):
         raise err(f"host_ram_gb must be a positive number of GB, got {host_ram!r}", "host_ram_gb")
+    fabric_address, fabric_network = _cidr(hv.get("fabric_address"), "fabric_address", err)
+    links = hv.get("fabric_links") or {}
+    if not isinstance(links, dict):
+        raise err("fabric_links must map each peer host to {iface: NETDEV, address: A.B.C.D/NN}", "fabric_links")
+    fabric_links = []
+    for peer, spec in links.items():
+        sub = f"fabric_links.{peer}"
+        if not isinstance(spec, dict) or set(spec) != {"iface", "address"}:
+            raise err(f"expected {{iface: NETDEV, address: A.B.C.D/NN}}, got {spec!r}", sub)
+        if not (isinstance(spec["iface"], str) and re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", spec["iface"])):
+            raise err(f"iface must be a network interface name, got {spec['iface']!r}", f"{sub}.iface")
+        addr, net = _cidr(spec["address"], f"{sub}.address", err, need_prefix=True)
+        fabric_links.append(FabricLink(str(peer), spec["iface"], str(addr), str(net)))
     return Host(
         name=name, address=str(address), rank=rank, hardware=hardware, gpus=gpus,
         nvme_dir=str(hv["nvme_dir"]), model_cache=str(hv["model_cache"]), port=port,
         user=str(hv.get("ansible_user", "root")),
         key_file=_expand(hv.get("ansible_ssh_private_key_file")),
-        fabric_iface=hv.get("fabric_iface"), fabric_address=hv.get("fabric_address"),
+        fabric_iface=hv.get("fabric_iface"), fabric_address=fabric_address, fabric_network=fabric_network,
+        fabric_links=tuple(fabric_links),
         docker_host=str(hv.get("docker_host", "unix:///var/run/docker.sock")),
         expect_gpus=expect_gpus, expect_arch=expect_arch,
         host_ram_gb=float(host_ram) if host_ram is not None else None,
         ansible_vars={k: v for k, v in hv.items() if k.startswith("ansible_")},
     )
+
+
+def _cidr(value: Any, sub: str, err, need_prefix: bool = False) -> tuple[str | None, str | None]:
+    """'A.B.C.D' or 'A.B.C.D/NN' -> (address, network or None)."""
+    if value is None:
+        return None, None
+    try:
+        itf = ipaddress.IPv4Interface(str(value))
+    except ValueError:
+        raise err(f"{sub.split('.')[-1]} must be an IPv4 address, optionally with its prefix "
+                  f"(192.168.100.11/24), got {value!r}", sub) from None
+    has_prefix = "/" in str(value)
+    if need_prefix and not has_prefix:
+        raise err(f"give the address with its prefix (e.g. {value}/30): the link's subnet", sub)
+    return str(itf.ip), (str(itf.network) if has_prefix else None)
 
 
 def _expand(p: Any) -> str | None:

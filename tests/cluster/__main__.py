@@ -59,11 +59,19 @@ def main(argv: list[str] | None = None) -> int:
                 print("no test clusters")
             for name in names:
                 c = TestCluster.attach(name)
-                print(f"cluster {name}: bridge {c.bridge} {c.bridge_address}/24, inventory {c.inventory_path}")
+                print(f"cluster {name}: bridge {c.bridge} {c.bridge_address}/24, fabric bridge {c.fabric_bridge} "
+                      f"{c.fabric_bridge_address}/24, inventory {c.inventory_path}")
                 for s in c.status():
+                    fab = s['fabric_address'] or 'none'
+                    if s['fabric_address'] != s['fabric_planned']:
+                        fab += f" (planned {s['fabric_planned']})"
                     print(f"  {s['host']:<8} {s['address']:<14} link {s['link']:<7} "
                           f"sshd {s['sshd'] or '-'!s:<8} dockerd {s['dockerd'] or '-'!s:<8} "
-                          f"engine {'ok' if s['docker'] else 'down'}")
+                          f"engine {'ok' if s['docker'] else 'down':<4}  "
+                          f"fabric {fab:<17} fab0 {s['fabric_link']:<10} mtu {s['fabric_mtu'] or '-'}"
+                          + (f"  mesh {','.join(s['mesh'])}" if s['mesh'] else "")
+                          + (f"  throttled {','.join(f'{p}@{r:g}Mbit' for p, r in s['throttled'].items())}"
+                             if s['throttled'] else ""))
         elif a.cmd == "demo":
             from .demo import prepare
             prepare(a.name, a.hosts, log=_log)

@@ -2,7 +2,7 @@
 
 Layout of a cluster named NAME (state folder S = /var/lib/deployctl-testcluster/NAME):
 
-  S/state.json            what was created (bridge, namespaces, veths, mounts, iptables rule);
+  S/state.json            what was created (bridges, namespaces, veths, mesh links, mounts, iptables rules);
                           written *before* each thing is made, so a killed run's leftovers are known
   S/id_ed25519[.pub]      the client key; S/authorized_keys; S/known_hosts (every host's address + key)
   S/inventory.yml         deployctl's inventory for this cluster
@@ -14,6 +14,12 @@ with eth0 = 10.213.<i>.(10+K)/24, where i = 0 for NAME "local" and a hash of NAM
 namespaces have no default route: traffic from a test host reaches only the other test hosts and the
 bridge address. Every name carries the `dctl` prefix; nothing is ever stopped or deleted by a name
 pattern: processes by pid file (after checking the pid is ours) or by being inside our namespace.
+
+Fabric: a second network apart from the management one SSH uses, as a DGX Spark cluster's
+ConnectX link: bridge dctl<i>fb (MTU 9000) with 10.214.<i>.1/24; host K has fab0 = 10.214.<i>.(10+K)/24
+(MTU 9000; the same last octet as its eth0), the other end of its veth pair being dctl<i>f<K> on that
+bridge. Fault helpers change it from inside the namespaces (set_fabric_mtu, set_fabric_address,
+throttle_link, mesh_link: a direct veth between two hosts, interfaces mesh<peer K> on each side).
 """
 from __future__ import annotations
 
@@ -45,6 +51,8 @@ NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 SSH_PORT = 22
 FIRST_HOST_OCTET = 11
 MAX_HOSTS = 200
+FABRIC_IFACE = "fab0"                 # a host's fabric interface (inside its namespace)
+FABRIC_MTU = 9000
 RECIPE_FOR_HOSTS = {1: "qwen38-flash-next-spark", 4: "deepseek-v41-flash-tp4", 8: "deepseek-v41-flash-tp8-nvme"}
 
 
@@ -100,8 +108,20 @@ class TestHost:
     nvme_dir: Path
     model_cache: Path
     docker_sock: Path
+    fabric_address: str    # on the fabric (no prefix; /24): 10.214.<i>.(10+K)
+    fabric_veth: str       # root-namespace end of its fabric veth pair (on the fabric bridge)
+    fabric_iface: str = FABRIC_IFACE   # the namespace end of that pair
 
     __test__ = False       # not a pytest test class
+
+    @property
+    def number(self) -> int:
+        """K of nodeK."""
+        return int(self.name[4:])
+
+    @property
+    def fabric_cidr(self) -> str:
+        return f"{self.fabric_address}/24"
 
     @property
     def docker_host(self) -> str:
@@ -123,7 +143,8 @@ def plan_hosts(name: str, n: int) -> tuple[TestHost, ...]:
         hosts.append(TestHost(
             name=f"node{k}", rank=k - 1, address=f"10.213.{i}.{FIRST_HOST_OCTET + k - 1}", ssh_port=SSH_PORT,
             netns=f"dctl-{name}-node{k}", veth=f"dctl{i}n{k}", dir=d, nvme_dir=d / "nvme",
-            model_cache=d / "models", docker_sock=d / "docker.sock"))
+            model_cache=d / "models", docker_sock=d / "docker.sock",
+            fabric_address=fabric_address(name, k), fabric_veth=fabric_veth_name(name, k)))
     return tuple(hosts)
 
 
@@ -133,6 +154,28 @@ def bridge_name(name: str) -> str:
 
 def bridge_address(name: str) -> str:
     return f"10.213.{subnet_index(name)}.1"
+
+
+def fabric_bridge_name(name: str) -> str:
+    return f"dctl{subnet_index(name)}fb"
+
+
+def fabric_bridge_address(name: str) -> str:
+    return f"10.214.{subnet_index(name)}.1"
+
+
+def fabric_address(name: str, k: int) -> str:
+    """Host nodeK's fabric address (no prefix; the subnet is /24): the same last octet as its eth0."""
+    return f"10.214.{subnet_index(name)}.{FIRST_HOST_OCTET + k - 1}"
+
+
+def fabric_veth_name(name: str, k: int) -> str:
+    return f"dctl{subnet_index(name)}f{k}"
+
+
+def mesh_iface(peer: "TestHost") -> str:
+    """A mesh link's interface inside a host's namespace, named after the host at its other end."""
+    return f"mesh{peer.number}"
 
 
 # The real recipes scaled down to this machine: the same code paths with small tables, a tiny
@@ -147,6 +190,11 @@ SCALED_OVERRIDES: dict[str, dict[str, Any]] = {
         "engine.shm_size": "1g",
         "engine.env.DOUBLE_LOAD_S": "2",
         "engine.min_mem_available_gib": 1,   # the recipe's 100 GiB gate: the test machine has far less
+        # the fabric check over the test bed's fabric bridge (veth: 10 Gb/s "negotiated", 12-16 Gb/s
+        # per pair measured here when idle, a few when 2 vCPUs carry 2 pairs): 1 Gb/s expected, a
+        # tc-shaped link under 0.25 is slow
+        "fabric.expected_gbps": 1,
+        "fabric.iperf_seconds": 1,
         "health.startup_timeout_s": 180,
         "health.poll_interval_s": 1,
     },
@@ -202,6 +250,7 @@ def inventory_data(name: str, hosts: Iterable[TestHost], deployment: str | None 
         "nvme_dir": str(h.nvme_dir),
         "model_cache": str(h.model_cache),
         "docker_host": h.docker_host,
+        "fabric_address": h.fabric_cidr,
     } for h in hosts}}}
 
 
@@ -230,9 +279,61 @@ def _run(argv: list[str], check: bool = True, timeout: float = 60) -> subprocess
     return p
 
 
-def _link_exists(dev: str, netns: str | None = None) -> bool:
-    argv = ["ip"] + (["-n", netns] if netns else []) + ["link", "show", "dev", dev]
-    return subprocess.run(argv, capture_output=True).returncode == 0
+def _batch(tool: str, lines: list[str], netns: str | None = None, timeout: float = 120) -> None:
+    """Run LINES as one `ip -batch -` / `tc -batch -` (inside NETNS when given): one process for many
+    commands. It stops at the first failing line, naming it."""
+    if not lines:
+        return
+    argv = [tool] + (["-n", netns] if netns else []) + ["-batch", "-"]
+    p = subprocess.run(argv, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        failed = re.search(r"Command failed -:(\d+)", p.stderr)
+        line = lines[int(failed.group(1)) - 1] if failed and int(failed.group(1)) <= len(lines) else "?"
+        raise ClusterError(f"{' '.join(argv)} failed ({p.returncode}) at {line!r}: {p.stderr.strip()[-1000:]}")
+
+
+def _links(netns: str | None = None) -> set[str]:
+    """The interface names in NETNS (the root namespace when None), with one `ip` call."""
+    argv = ["ip"] + (["-n", netns] if netns else []) + ["-o", "link", "show"]
+    out = subprocess.run(argv, capture_output=True, text=True).stdout
+    return {line.split(":", 2)[1].strip().split("@")[0] for line in out.splitlines() if line.count(":") >= 2}
+
+
+def _ns_interfaces(netns: str) -> dict[str, dict[str, Any]]:
+    """`ip -j addr show` inside NETNS by interface name: flags, mtu, operstate, addr_info."""
+    p = subprocess.run(["ip", "-j", "-n", netns, "addr", "show"], capture_output=True, text=True)
+    try:
+        return {i["ifname"]: i for i in json.loads(p.stdout or "[]")}
+    except (ValueError, KeyError, TypeError):
+        return {}
+
+
+def _tc_json(netns: str, *args: str) -> list[dict[str, Any]]:
+    """`tc -j ARGS` inside NETNS, parsed ([] when it fails)."""
+    p = subprocess.run(["tc", "-j", "-n", netns, *args], capture_output=True, text=True)
+    try:
+        out = json.loads(p.stdout or "[]") if p.returncode == 0 else []
+    except ValueError:
+        return []
+    return out if isinstance(out, list) else []
+
+
+_RATE_UNIT = {"bit": 1e-6, "Kbit": 1e-3, "Mbit": 1.0, "Gbit": 1e3, "Tbit": 1e6}
+
+
+def _htb_classes(netns: str, dev: str) -> dict[str, float]:
+    """The htb classes on DEV inside NETNS: {classid: rate in Mbit/s} (`tc class show` has no JSON for
+    htb in this iproute2, so its text)."""
+    out = subprocess.run(["tc", "-n", netns, "class", "show", "dev", dev], capture_output=True, text=True).stdout
+    classes = {}
+    for m in re.finditer(r"^class htb (\S+) .*?\brate ([\d.]+)([KMGT]?bit)\b", out, re.M):
+        classes[m.group(1)] = float(m.group(2)) * _RATE_UNIT[m.group(3)]
+    return classes
+
+
+def _inet(iface: dict[str, Any] | None) -> list[str]:
+    """The IPv4 addresses (CIDR) of an _ns_interfaces entry."""
+    return [f"{a['local']}/{a['prefixlen']}" for a in (iface or {}).get("addr_info", []) if a.get("family") == "inet"]
 
 
 def _netns_exists(ns: str) -> bool:
@@ -383,10 +484,16 @@ class State:
     name: str
     subnet: str
     bridge: str
-    hosts: list[dict[str, str]] = field(default_factory=list)    # name, netns, veth, address
+    hosts: list[dict[str, str]] = field(default_factory=list)    # name, netns, veth, address, fabric_veth
     mounts: list[str] = field(default_factory=list)
     iptables_rule: list[str] | None = None
     created: float = 0.0
+    fabric_bridge: str | None = None
+    fabric_subnet: str | None = None
+    fabric_iptables_rule: list[str] | None = None
+    # mesh_link: {"hosts": [a, b], "ifaces": {a: "mesh<kb>", b: "mesh<ka>"}, "netns": {a: .., b: ..}}
+    # (throttle_link's qdiscs live inside the namespaces only and go with them: nothing to record)
+    mesh_links: list[dict[str, Any]] = field(default_factory=list)
 
     @staticmethod
     def path(name: str) -> Path:
@@ -410,6 +517,12 @@ def _iptables_rule(name: str, bridge: str) -> list[str]:
     # host-to-host traffic on our bridge needs an explicit ACCEPT (scoped to this bridge only).
     return ["FORWARD", "-i", bridge, "-o", bridge, "-m", "comment", "--comment", f"dctl-testcluster-{name}",
             "-j", "ACCEPT"]
+
+
+def _fabric_iptables_rule(name: str, bridge: str) -> list[str]:
+    # the same for the fabric bridge, with its own comment
+    return ["FORWARD", "-i", bridge, "-o", bridge, "-m", "comment", "--comment",
+            f"dctl-testcluster-{name}-fabric", "-j", "ACCEPT"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -438,6 +551,8 @@ def cleanup(name: str, log: Callable[[str], None] = lambda m: None) -> list[str]
             if m:
                 hosts.setdefault(m.group(1), {"name": m.group(1), "netns": ns,
                                               "veth": f"dctl{subnet_index(name)}n{m.group(1)[4:]}"})
+    for h in hosts.values():         # a record from before the fabric, or none: this cluster's own names
+        h.setdefault("fabric_veth", fabric_veth_name(name, int(h["name"][4:])))
 
     # 0. containers: killed through each engine that still answers (a dockerd stopping them itself
     #    waits each one's 10 s stop timeout)
@@ -477,22 +592,36 @@ def cleanup(name: str, log: Callable[[str], None] = lambda m: None) -> list[str]
         if _run(["umount", mp], check=False).returncode != 0:
             _run(["umount", "-l", mp], check=False)
         removed.append(f"mount {mp}")
-    # 4. network: veths, namespaces, bridge, iptables rule
+    # 4. network: mesh links, veths, namespaces, bridges, iptables rules (a veth pair goes with either
+    #    end, so a namespace's removal also takes its mesh links and fabric veth: with the record lost,
+    #    the namespaces found by name are enough)
+    for m in (st.mesh_links if st else []):
+        a = m["hosts"][0]
+        ns, iface = m["netns"][a], m["ifaces"][a]
+        if _netns_exists(ns) and iface in _links(ns):
+            _run(["ip", "-n", ns, "link", "del", iface], check=False)
+            removed.append(f"mesh {m['hosts'][0]}-{m['hosts'][1]}")
+    root_links = _links()
     for h in hosts.values():
-        if _link_exists(h["veth"]):
-            _run(["ip", "link", "del", h["veth"]], check=False)
-            removed.append(f"veth {h['veth']}")
+        for key in ("veth", "fabric_veth"):
+            if h[key] in root_links:
+                _run(["ip", "link", "del", h[key]], check=False)
+                removed.append(f"veth {h[key]}")
         if _netns_exists(h["netns"]):
             _run(["ip", "netns", "del", h["netns"]], check=False)
             removed.append(f"netns {h['netns']}")
     br = st.bridge if st else bridge_name(name)
-    if _link_exists(br):
-        _run(["ip", "link", "del", br], check=False)
-        removed.append(f"bridge {br}")
-    rule = st.iptables_rule if st and st.iptables_rule else _iptables_rule(name, br)
-    while _run(["iptables", "-C", *rule], check=False).returncode == 0:
-        _run(["iptables", "-D", *rule], check=False)
-        removed.append("iptables rule")
+    fb = st.fabric_bridge if st and st.fabric_bridge else fabric_bridge_name(name)
+    for b in (br, fb):
+        if b in root_links:
+            _run(["ip", "link", "del", b], check=False)
+            removed.append(f"bridge {b}")
+    rules = [st.iptables_rule if st and st.iptables_rule else _iptables_rule(name, br),
+             st.fabric_iptables_rule if st and st.fabric_iptables_rule else _fabric_iptables_rule(name, fb)]
+    for rule in rules:
+        while _run(["iptables", "-C", *rule], check=False).returncode == 0:
+            _run(["iptables", "-D", *rule], check=False)
+            removed.append(f"iptables rule {rule[rule.index('--comment') + 1]}")
     # 5. the state folder itself, once nothing is mounted below it (rmtree would follow into a mount)
     if s.exists():
         left = _mounts_under(s)
@@ -563,6 +692,14 @@ class TestCluster:
     def bridge_address(self) -> str:
         return bridge_address(self.name)
 
+    @property
+    def fabric_bridge(self) -> str:
+        return fabric_bridge_name(self.name)
+
+    @property
+    def fabric_bridge_address(self) -> str:
+        return fabric_bridge_address(self.name)
+
     def host(self, host: "str | TestHost") -> TestHost:
         name = host.name if isinstance(host, TestHost) else host
         for h in self.hosts:
@@ -618,8 +755,12 @@ class TestCluster:
         os.chmod(s, 0o755)
         st = State(name=self.name, subnet=f"10.213.{subnet_index(self.name)}.0/24", bridge=self.bridge,
                    created=time.time())
-        st.hosts = [{"name": h.name, "netns": h.netns, "veth": h.veth, "address": h.address} for h in self.hosts]
+        st.hosts = [{"name": h.name, "netns": h.netns, "veth": h.veth, "address": h.address,
+                     "fabric_veth": h.fabric_veth, "fabric_address": h.fabric_address} for h in self.hosts]
         st.iptables_rule = _iptables_rule(self.name, self.bridge)
+        st.fabric_bridge = self.fabric_bridge
+        st.fabric_subnet = f"10.214.{subnet_index(self.name)}.0/24"
+        st.fabric_iptables_rule = _fabric_iptables_rule(self.name, self.fabric_bridge)
         st.save()                       # recorded before anything is made
 
         # keys: one client key, one host key per host
@@ -635,19 +776,26 @@ class TestCluster:
                 raise ClusterError(f"ssh-keygen failed: {p.args}")
         _write_atomic(s / "authorized_keys", (s / "id_ed25519.pub").read_text(), 0o600)
 
-        # network
-        br = self.bridge
-        _run(["ip", "link", "add", br, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{self.bridge_address}/24", "dev", br])
-        _run(["ip", "link", "set", br, "up"])
-        _run(["iptables", "-I", st.iptables_rule[0], "1", *st.iptables_rule[1:]])
+        # network: the root namespace's part in one `ip -batch` (bridges, namespaces, veth pairs), then
+        # one per namespace (addresses, links up)
+        br, fb, mtu = self.bridge, self.fabric_bridge, FABRIC_MTU
+        root = [f"link add {br} type bridge", f"addr add {self.bridge_address}/24 dev {br}", f"link set {br} up",
+                f"link add {fb} mtu {mtu} type bridge", f"addr add {self.fabric_bridge_address}/24 dev {fb}",
+                f"link set {fb} up"]
         for h in self.hosts:
-            _run(["ip", "netns", "add", h.netns])
-            _run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns])
-            _run(["ip", "link", "set", h.veth, "master", br, "up"])
-            _run(["ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0"])
-            _run(["ip", "-n", h.netns, "link", "set", "eth0", "up"])
-            _run(["ip", "-n", h.netns, "link", "set", "lo", "up"])
+            root += [f"netns add {h.netns}",
+                     f"link add {h.veth} type veth peer name eth0 netns {h.netns}",
+                     f"link set {h.veth} master {br} up",
+                     f"link add {h.fabric_veth} mtu {mtu} type veth peer name {h.fabric_iface} mtu {mtu} "
+                     f"netns {h.netns}",
+                     f"link set {h.fabric_veth} master {fb} up"]
+        _batch("ip", root)
+        for rule in (st.iptables_rule, st.fabric_iptables_rule):
+            _run(["iptables", "-I", rule[0], "1", *rule[1:]])
+        for h in self.hosts:
+            _batch("ip", [f"addr add {h.address}/24 dev eth0", "link set eth0 up", "link set lo up",
+                          f"addr add {h.fabric_cidr} dev {h.fabric_iface}", f"link set {h.fabric_iface} up"],
+                   netns=h.netns)
 
         # daemons: every dockerd at once (they are the slow part), then every sshd
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)     # sshd's privilege separation folder
@@ -723,11 +871,128 @@ class TestCluster:
         (h.dir / "hub.pid").unlink(missing_ok=True)
 
     # -- faults --------------------------------------------------------------------------------
-    def link_down(self, host: "str | TestHost") -> None:
-        _run(["ip", "-n", self.host(host).netns, "link", "set", "eth0", "down"])
+    def link_down(self, host: "str | TestHost", iface: str = "eth0") -> None:
+        """Take HOST's management link down (or IFACE, e.g. its fabric_iface)."""
+        _run(["ip", "-n", self.host(host).netns, "link", "set", iface, "down"])
 
-    def link_up(self, host: "str | TestHost") -> None:
-        _run(["ip", "-n", self.host(host).netns, "link", "set", "eth0", "up"])
+    def link_up(self, host: "str | TestHost", iface: str = "eth0") -> None:
+        _run(["ip", "-n", self.host(host).netns, "link", "set", iface, "up"])
+
+    # -- the fabric: faults and shaping, each idempotent and undone by its counterpart -----------
+    def _state(self) -> State:
+        st = State.load(self.name)
+        if st is None:
+            raise ClusterError(f"cluster {self.name} is not up (no {State.path(self.name)})")
+        return st
+
+    def fabric_addresses(self, host: "str | TestHost") -> list[str]:
+        """The IPv4 addresses (CIDR) HOST's fab0 has now."""
+        h = self.host(host)
+        return _inet(_ns_interfaces(h.netns).get(h.fabric_iface))
+
+    def set_fabric_mtu(self, host: "str | TestHost", mtu: int) -> None:
+        """Set the MTU of HOST's fab0 (the namespace end; the bridge side stays at 9000). Undo: 9000."""
+        h = self.host(host)
+        _run(["ip", "-n", h.netns, "link", "set", "dev", h.fabric_iface, "mtu", str(int(mtu))])
+
+    def set_fabric_address(self, host: "str | TestHost", cidr: str) -> None:
+        """Replace HOST's fab0 address(es) with CIDR ("10.214.9.11/24": e.g. another subnet). Undo:
+        set_fabric_address(host, host.fabric_cidr). A throttle_link made before still matches the old one."""
+        h = self.host(host)
+        if "/" not in cidr:
+            raise ClusterError(f"set_fabric_address: {cidr!r} has no /prefix")
+        _batch("ip", [f"addr flush dev {h.fabric_iface} scope global", f"addr add {cidr} dev {h.fabric_iface}"],
+               netns=h.netns)
+
+    @staticmethod
+    def _shape(mbit: float) -> str:
+        # burst: 5 ms at the rate, at least a few jumbo frames, so an iperf3 TCP run reads the rate
+        # within a few %; quantum: explicit (rate/r2q would be "big" and logged by the kernel)
+        burst = max(int(mbit * 1e6 / 8 * 0.005), 4 * (FABRIC_MTU + 100))
+        return f"htb rate {mbit}mbit ceil {mbit}mbit burst {burst} cburst {burst} quantum 200000"
+
+    def throttle_link(self, a: "str | TestHost", b: "str | TestHost", mbit: float) -> None:
+        """Shape only the fabric traffic between hosts A and B to MBIT Mbit/s, both ways: on A's fab0
+        egress what goes to B's fabric address(es), on B's what goes to A's. Other traffic keeps full
+        speed. Again with the same hosts: the new rate. Any number of links per host.
+
+        On each side (this kernel has tc's htb, tbf and u32, no prio): root qdisc `htb` with no default
+        class, so unmatched packets take htb's direct queue, unshaped; per throttled peer K a class 1:K
+        (hex) at the rate and a u32 filter (pref K) sending packets to the peer's address(es) there.
+        The peer's addresses are read now: throttle after set_fabric_address, not before."""
+        ha, hb = self.host(a), self.host(b)
+        if ha == hb:
+            raise ClusterError(f"throttle_link: {ha.name} with itself")
+        if not mbit > 0:
+            raise ClusterError(f"throttle_link: rate must be > 0 Mbit/s, got {mbit!r}")
+        for h, peer in ((ha, hb), (hb, ha)):
+            dev, cid, pref = h.fabric_iface, f"1:{peer.number:x}", str(peer.number)
+            dsts = [c.split("/")[0] for c in self.fabric_addresses(peer)] or [peer.fabric_address]
+            root = _tc_json(h.netns, "qdisc", "show", "dev", dev, "root")
+            ours = any(q.get("kind") == "htb" and q.get("handle") == "1:" for q in root)
+            _run(["tc", "-n", h.netns, "filter", "del", "dev", dev, "parent", "1:", "protocol", "ip", "prio", pref],
+                 check=False)           # the link's previous filter, if any (again: idempotent)
+            _batch("tc", ([] if ours else [f"qdisc replace dev {dev} root handle 1: htb"])
+                   + [f"class replace dev {dev} parent 1: classid {cid} {self._shape(mbit)}"]
+                   + [f"filter add dev {dev} parent 1: protocol ip prio {pref} u32 match ip dst {d}/32 flowid {cid}"
+                      for d in dsts], netns=h.netns)
+
+    def unthrottle_link(self, a: "str | TestHost", b: "str | TestHost") -> None:
+        """Undo throttle_link(A, B) (either order); a host's other throttled links stay. Once a host has
+        none, its fab0's root qdisc goes (back to none, as made)."""
+        ha, hb = self.host(a), self.host(b)
+        for h, peer in ((ha, hb), (hb, ha)):
+            dev, cid, pref = h.fabric_iface, f"1:{peer.number:x}", str(peer.number)
+            _run(["tc", "-n", h.netns, "filter", "del", "dev", dev, "parent", "1:", "protocol", "ip", "prio", pref],
+                 check=False)
+            _run(["tc", "-n", h.netns, "class", "del", "dev", dev, "classid", cid], check=False)
+            if not _htb_classes(h.netns, dev):
+                _run(["tc", "-n", h.netns, "qdisc", "del", "dev", dev, "root"], check=False)
+
+    def throttled(self, host: "str | TestHost") -> dict[str, float]:
+        """HOST's throttled fabric peers now: {peer name: Mbit/s} (from its fab0's htb classes)."""
+        h = self.host(host)
+        by_class = {f"1:{p.number:x}": p.name for p in self.hosts}
+        return {by_class[cid]: mbit for cid, mbit in _htb_classes(h.netns, h.fabric_iface).items() if cid in by_class}
+
+    def mesh_link(self, a: "str | TestHost", b: "str | TestHost", a_cidr: str, b_cidr: str,
+                  mtu: int = FABRIC_MTU) -> tuple[str, str]:
+        """A direct veth pair between A's and B's namespaces (no bridge), as a cable between two Sparks:
+        mesh<K of B> on A with A_CIDR, mesh<K of A> on B with B_CIDR, both MTU and up. Recorded before
+        it is made; cleanup (down) removes it. Again: the same link, addresses and MTU set anew.
+        Returns the two interface names (A's, B's)."""
+        ha, hb = self.host(a), self.host(b)
+        if ha == hb:
+            raise ClusterError(f"mesh_link: {ha.name} with itself")
+        ia, ib = mesh_iface(hb), mesh_iface(ha)
+        st = self._state()
+        if not self._mesh_record(st, ha, hb):
+            st.mesh_links.append({"hosts": [ha.name, hb.name], "ifaces": {ha.name: ia, hb.name: ib},
+                                  "netns": {ha.name: ha.netns, hb.name: hb.netns}})
+            st.save()                   # recorded before it is made
+        if ia not in _links(ha.netns):
+            _run(["ip", "-n", ha.netns, "link", "add", ia, "mtu", str(int(mtu)), "type", "veth",
+                  "peer", "name", ib, "mtu", str(int(mtu)), "netns", hb.netns])
+        for h, iface, cidr in ((ha, ia, a_cidr), (hb, ib, b_cidr)):
+            _batch("ip", [f"addr flush dev {iface} scope global", f"addr add {cidr} dev {iface}",
+                          f"link set dev {iface} mtu {int(mtu)} up"], netns=h.netns)
+        return ia, ib
+
+    def remove_mesh_link(self, a: "str | TestHost", b: "str | TestHost") -> None:
+        """Undo mesh_link(A, B) (either order)."""
+        ha, hb = self.host(a), self.host(b)
+        ia = mesh_iface(hb)
+        if ia in _links(ha.netns):
+            _run(["ip", "-n", ha.netns, "link", "del", ia])
+        st = self._state()
+        m = self._mesh_record(st, ha, hb)
+        if m:
+            st.mesh_links.remove(m)
+            st.save()
+
+    @staticmethod
+    def _mesh_record(st: State, ha: TestHost, hb: TestHost) -> dict[str, Any] | None:
+        return next((m for m in st.mesh_links if set(m["hosts"]) == {ha.name, hb.name}), None)
 
     def stop_sshd(self, host: "str | TestHost") -> None:
         h = self.host(host)
@@ -803,15 +1068,31 @@ class TestCluster:
     def status(self) -> list[dict[str, Any]]:
         out = []
         for h in self.hosts:
-            link = _run(["ip", "-n", h.netns, "-o", "link", "show", "eth0"], check=False).stdout
+            ifaces = _ns_interfaces(h.netns) if _netns_exists(h.netns) else {}
+            eth0, fab0 = ifaces.get("eth0"), ifaces.get(h.fabric_iface)
             out.append({
                 "host": h.name, "address": h.address, "netns": h.netns if _netns_exists(h.netns) else None,
-                "link": "up" if ",UP" in link or "<UP" in link else ("down" if link else "missing"),
+                "link": _admin_state(eth0),
                 "sshd": _pid_from_file(h.dir / "sshd.pid", str(h.dir)),
                 "dockerd": _pid_from_file(h.dir / "dockerd.pid", str(h.dir)),
                 "docker": _docker_ping(h.docker_sock, 0.5),
+                # the fabric as it is now (set_fabric_* change it); fabric_planned: the inventory's
+                "fabric_address": ",".join(_inet(fab0)) or None,
+                "fabric_planned": h.fabric_cidr,
+                "fabric_link": ("no-carrier" if _admin_state(fab0) == "up" and "LOWER_UP" not in fab0["flags"]
+                                else _admin_state(fab0)),
+                "fabric_mtu": fab0.get("mtu") if fab0 else None,
+                "mesh": sorted(n for n in ifaces if re.fullmatch(r"mesh\d+", n)),
+                "throttled": self.throttled(h) if fab0 else {},
             })
         return out
+
+
+def _admin_state(iface: dict[str, Any] | None) -> str:
+    """'up' / 'down' (administratively, as `ip link set`), 'missing'."""
+    if not iface:
+        return "missing"
+    return "up" if "UP" in iface.get("flags", []) else "down"
 
 
 def _check_subnet_free(name: str) -> None:

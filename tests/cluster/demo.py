@@ -22,7 +22,8 @@ def _healthy(name: str, n: int) -> TestCluster | None:
     except Exception:  # noqa: BLE001 - no state, or a broken one: make it anew
         return None
     st = c.status()
-    if len(st) == n and all(s["link"] == "up" and s["sshd"] and s["dockerd"] and s["docker"] for s in st):
+    if len(st) == n and all(s["link"] == "up" and s.get("fabric_link") == "up" and s["sshd"] and s["dockerd"]
+                            and s["docker"] for s in st):
         return c
     return None
 
