@@ -277,6 +277,36 @@ class ReleasesSpec:
         checks.fields(self, path, file, count=("keep",))
 
 
+VERDICTS = ("unreachable", "slow-link", "mtu", "subnet", "management", "link-down", "unmeasured")
+
+
+@dataclass(frozen=True)
+class FabricSpec:
+    """What the fabric between the hosts must carry before a multi-node launch (orchestrator/fabric/,
+    docs/fabric.md). A verdict named in `warn` is reported and the run goes on; every other stops it."""
+    expected_gbps: float = 0.0           # a link's expected TCP rate; 0: its negotiated speed (sysfs)
+    min_fraction: float = 0.25           # a link measured under this fraction of expected_gbps is slow
+    mtu: int = 9000                      # every fabric interface and path carries this MTU; 0: only equal
+    iperf_seconds: float = 2.0           # per pair (iperf3 -t)
+    iperf_streams: int = 4               # parallel TCP streams per pair (iperf3 -P): one stream cannot fill 200G
+    iperf_port: int = 5201
+    cache_s: float = 3600.0              # `up` reuses a passing check this long while nothing changed; 0: never
+    warn: tuple[str, ...] = ()           # verdicts that only warn (see VERDICTS)
+
+    def validate(self, path: str, file: str) -> None:
+        checks.fields(self, path, file, port=("iperf_port",), count=("iperf_streams",),
+                      positive=("iperf_seconds",), non_negative=("expected_gbps", "cache_s"))
+        if not 0 < self.min_fraction <= 1:
+            raise InputError(f"must be a fraction in (0, 1], got {self.min_fraction!r}", file=file,
+                             key=f"{path}.min_fraction")
+        if self.mtu and not 576 <= self.mtu <= 65535:
+            raise InputError(f"must be an MTU (576..65535) or 0, got {self.mtu!r}", file=file, key=f"{path}.mtu")
+        for i, v in enumerate(self.warn):
+            if v not in VERDICTS:
+                raise InputError(f"unknown verdict {v!r} (verdicts: {', '.join(VERDICTS)})", file=file,
+                                 key=f"{path}.warn[{i}]")
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
@@ -291,6 +321,7 @@ class Recipe:
     bench: BenchSpec = BenchSpec()
     sizing: SizingSpec = SizingSpec()
     releases: ReleasesSpec = ReleasesSpec()
+    fabric: FabricSpec = FabricSpec()
 
     def validate(self, path: str, file: str) -> None:
         from .hardware import KINDS

@@ -42,6 +42,8 @@ class RunOptions:
     ship_head_known_hosts: str | None = None  # --head-known-hosts (a path on the head)
     # fetch-model
     fetch_rehash: bool = False             # fetch-model --rehash: verify every file again by its hash
+    # fabric
+    fabric_fresh: bool = False             # `deployctl fabric`: measure, never reuse a cached check
     # sync-model
     sync_model: SyncModelOptions = field(default_factory=SyncModelOptions)
     # build

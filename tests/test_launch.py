@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from orchestrator.deployment import load_deployment
+from orchestrator.fabric.detect import head_address
 from orchestrator.launch.containerspec import engine_argv
 from orchestrator.hostside.geometry import rank_ranges
 from tests.cluster import ensure_base_images
@@ -195,7 +196,7 @@ def up(inv: Path, *extra: str, timeout: float = 240, env: dict | None = None) ->
 
 def rendered_argv(inv: Path, host: str, *sets: str) -> list[str]:
     dep = load_deployment(inv, None, sets)
-    return list(engine_argv(dep, dep.cluster.host(host), dep.cluster.head_host.address))
+    return list(engine_argv(dep, dep.cluster.host(host), head_address(dep.cluster)))
 
 
 # -------------------------------------------------------------------------------------------- tests
@@ -231,9 +232,10 @@ def test_tp4_up_healthy_then_noop_status_logs_down(cluster, tp4):
         assert rec.returncode == 0, rec.stderr
         assert json.loads(rec.stdout)["argv"] == want, "the engine received exactly the rendered argv"
         env_rec = json.loads(rec.stdout)["env"]
-        assert env_rec["VLLM_HOST_IP"] == h.address and env_rec["NCCL_SOCKET_IFNAME"] == "eth0"
+        # NCCL/GLOO run on the test bed's fabric (its own bridge, MTU 9000), not on the SSH network
+        assert env_rec["VLLM_HOST_IP"] == h.fabric_address and env_rec["NCCL_SOCKET_IFNAME"] == "fab0"
     master = dict(zip(want, want[1:]))["--master-addr"]
-    assert master == cluster.hosts[0].address, "workers join the head's fabric address"
+    assert master == cluster.hosts[0].fabric_address, "workers join the head's fabric address"
 
     # A re-run on the healthy cluster: launch is skipped, health only checks.
     p, took = up(tp4, "--set", secret, env=env)

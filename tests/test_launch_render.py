@@ -7,7 +7,7 @@ import pytest
 
 from orchestrator.deployment import load_deployment
 from orchestrator.errors import InputError
-from orchestrator.launch.fabric import Fabric, choose_fabric, fabric_env
+from orchestrator.fabric.detect import Fabric, choose_fabric, fabric_env
 from orchestrator.launch.containerspec import container_spec, expand_env
 from orchestrator.paths import INVENTORIES_DIR
 

@@ -21,7 +21,7 @@ from orchestrator.launch import api, probe
 from orchestrator.launch.containers import _parse_time, parse_list, run_argv
 from orchestrator.launch.lock import lock_path
 from orchestrator.launch.containerspec import SPEC_LABEL, bind_fabric, container_spec
-from orchestrator.launch.fabric import Fabric
+from orchestrator.fabric.detect import Fabric
 from orchestrator.runoptions import RunOptions
 from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.outcomes import HostFailure, run_per_host
@@ -219,7 +219,7 @@ class _GateShell:
 def _launch(tmp_path, monkeypatch, kib: dict[str, int], *sets: str):
     """launcher._Launch.run on spark4 with every host step faked except the gate and the order."""
     from orchestrator.launch import launcher
-    from orchestrator.launch.fabric import Fabric
+    from orchestrator.fabric.detect import Fabric
     dep = load_deployment(INVENTORIES_DIR / "spark4.yml", None, ("engine.start_wait_s=0.2", *sets))
     names = [h.name for h in dep.cluster.hosts]
     ctx = RunContext(tmp_path / "run")
@@ -227,7 +227,7 @@ def _launch(tmp_path, monkeypatch, kib: dict[str, int], *sets: str):
     started: list[tuple[str, float]] = []
     monkeypatch.setattr(launcher.probe, "read_host", lambda *a, **k: probe.HostRead({}, {}, "sha256:" + "0" * 64, []))
     monkeypatch.setattr(launcher.probe, "engram_problem", lambda *a: None)
-    monkeypatch.setattr(launcher, "choose_fabric", lambda n, *a, **k: Fabric("enp1s0f0np0", "10.0.0.1", (), "t"))
+    monkeypatch.setattr(launcher.detect, "for_host", lambda *a, **k: Fabric("enp1s0f0np0", "10.0.0.1", (), "t"))
     monkeypatch.setattr(launcher, "remove_all", lambda sh, name, keep=frozenset(): [])
     monkeypatch.setattr(launcher, "create", lambda sh, spec, env: f"{sh.host.name}-cid")
     monkeypatch.setattr(launcher, "start", lambda sh, spec, cid: started.append((sh.host.name, time.monotonic()))

@@ -39,7 +39,7 @@ def _head_lock(dep: Deployment, command: str, lock: bool):
     return HeadLock(dep, command)
 
 
-READ_ONLY = frozenset({"preflight", "health"})      # stages that only read hosts: no lock
+READ_ONLY = frozenset({"preflight", "fabric", "health"})      # stages that only read hosts: no lock
 
 
 def changes_hosts(stages: tuple[str, ...], options: RunOptions) -> bool:

@@ -18,7 +18,7 @@ from ..errors import InputError
 from ..inventory import Host
 from ..recipe import PleSpec
 from ..paths import RECIPES_DIR
-from .fabric import Fabric, fabric_env
+from ..fabric.detect import Fabric, fabric_env, head_address, topology_note
 
 # Where host folders appear inside the engine container.
 MODEL_MOUNT = "/model"
@@ -228,7 +228,7 @@ def planned_spec(dep: Deployment, host: Host) -> ContainerSpec:
     management addresses stand in for what launch detects (bind_fabric), and the note says so."""
     r, e, c = dep.recipe, dep.recipe.engine, dep.cluster
     head = c.head_host
-    master = head.fabric_address or head.address
+    master = head_address(c)
     env: dict[str, str] = {}
     env.update(e.env)
     if r.engram and r.engram.placement == "nvme":
@@ -238,8 +238,7 @@ def planned_spec(dep: Deployment, host: Host) -> ContainerSpec:
     env.update(ple_env(r.ple))
     note = ""
     if r.parallelism.nodes > 1:
-        note = ("fabric detected at launch (ConnectX-7 netdev, RoCE devices); "
-                + (f"override iface {host.fabric_iface}" if host.fabric_iface else "no override"))
+        note = topology_note(c, host)
     mounts = [(dep.checkpoint_mount(host)[0], MODEL_MOUNT, "ro")]
     if r.engram and r.engram.placement == "nvme":
         mounts.append((dep.engram_dir(host), ENGRAM_MOUNT, "ro"))

@@ -35,7 +35,8 @@ from ..secrets import mask_argv, register_named
 from . import api, probe
 from .containers import (Container, create, discard, memory_gate, prepared_name, remove_all, run_argv, start,
                          write_secret_file)
-from .fabric import Fabric, choose_fabric
+from ..fabric import detect
+from ..fabric.detect import Fabric
 from .lifecycle import remove_everywhere
 from ..executors.shells import HostShell, Shells, run_shells
 from ..outcomes import parallel
@@ -113,8 +114,7 @@ class _Launch:
     def probe_host(self, name: str) -> probe.HostRead:
         sh, log = self.shells[name], self.logs[name]
         multi = self.dep.recipe.parallelism.nodes > 1
-        head = self.dep.cluster.head_host
-        read = probe.read_host(self.dep, sh, (head.fabric_address or head.address) if multi else "")
+        read = probe.read_host(self.dep, sh, detect.head_address(self.dep.cluster) if multi else "")
         log.write(f"image {self.image}: {read.image_id or 'absent'}; containers of {self.dep.name}: "
                   + (", ".join(c.describe() for c in read.containers) or "none"))
         if not read.image_id:
@@ -136,11 +136,9 @@ class _Launch:
         if self.dep.recipe.parallelism.nodes == 1:
             return out, bad
         for n in self.names:
-            h = self.dep.cluster.host(n)
             try:
-                pin = self.dep.recipe.engine.ib_hca
-                out[n] = choose_fabric(n, info[n].facts or {}, h.fabric_iface, h.fabric_address, h.address,
-                                       pin.get(n) or pin.get("*", ""))
+                out[n] = detect.for_host(self.dep.cluster, self.dep.cluster.host(n), self.dep.recipe.engine.ib_hca,
+                                         info[n].facts or {})
                 self.logs[n].write(f"fabric: {out[n].iface} {out[n].address} ({out[n].reason})")
             except InputError as e:
                 bad[n] = e

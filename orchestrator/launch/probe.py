@@ -15,7 +15,7 @@ from ..hostside.engram_spec import LOCAL_NAME, MANIFEST_NAME, RankMismatch
 from ..hostside.geometry import rank_ranges
 from .commands import read_argv
 from .containers import Container, parse_list
-from .fabric import FACTS_SCRIPT
+from ..fabric.detect import FACTS_SCRIPT
 from ..executors.shells import HostShell
 
 if TYPE_CHECKING:
