@@ -32,7 +32,8 @@ PORT = 5301          # the direct baseline's port (the check uses the recipe's 5
 def inventory(c: TestCluster, tmp: Path) -> Path:
     doc = yaml.safe_load(c.inventory_path.read_text())
     doc["all"]["vars"]["run_dir"] = str(tmp / "runs")
-    doc["all"]["vars"].setdefault("recipe_overrides", {})["fabric.expected_gbps"] = 1
+    over = doc["all"]["vars"].setdefault("recipe_overrides", {})
+    over.update({"fabric.expected_gbps": 1, "fabric.iperf_seconds": 2})    # the recipes' default 2 s per pair
     p = tmp / f"inventory-{len(c.hosts)}.yml"
     p.write_text(yaml.safe_dump(doc, sort_keys=False))
     return p
