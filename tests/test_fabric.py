@@ -145,6 +145,21 @@ def test_a_host_on_another_subnet_is_named(cluster, tmp_path):
         cluster.set_fabric_address("node4", cluster.host("node4").fabric_cidr)
 
 
+def test_a_host_without_ssh_is_named_and_the_other_links_are_still_measured(cluster, tmp_path):
+    inv = inventory(cluster, tmp_path)
+    cluster.stop_sshd("node4")
+    try:
+        p = dctl("fabric", "-i", str(inv), "--json")
+        assert p.returncode == 1
+        rep = report(p)
+        down = findings(rep)[("link-down", "node4")]
+        assert "cannot read its network facts" in down["message"], down
+        assert sorted(x["a"] + "-" + x["b"] for x in rep["links"]) == ["node1-node2", "node1-node3", "node2-node3"]
+        assert all(x["throughput"]["gbps"] > 1.0 for x in rep["links"])
+    finally:
+        cluster.start_sshd("node4")
+
+
 def test_a_switchless_mesh_of_three_with_a_subnet_per_cable(cluster, tmp_path):
     cables = [("node1", "node2", "10.216.1.1/30", "10.216.1.2/30"), ("node2", "node3", "10.216.2.1/30", "10.216.2.2/30"),
               ("node1", "node3", "10.216.3.1/30", "10.216.3.2/30")]

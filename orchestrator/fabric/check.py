@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import InputError
+from ..executors.ssh import short_reason
 from ..outcomes import parallel
 from . import cache, detect, probe, topology, verdicts
 from .model import FabricReport, HostFabric, LinkResult
@@ -92,11 +93,10 @@ def run(dep: "Deployment", shells: Any, fresh: bool = False, cache_root: str | N
     names = [h.name for h in c.hosts]
     head = detect.head_address(c)
     got = parallel(names, lambda n: probe.read_facts(shells[n], head))
-    if got.failed:
-        n, e = sorted(got.failed.items())[0]
-        raise InputError(f"host {n}: cannot read its network facts: {e}") if isinstance(e, InputError) else e
     facts = dict(got.ok)
-    hosts = [host_view(dep, n, facts[n]) for n in names]
+    # a host that cannot be read is a finding (its links are not measured), never the end of the check
+    hosts = [host_view(dep, n, facts[n]) if n in facts else
+             HostFabric(n, None, f"cannot read its network facts: {short_reason(got.failed[n])}") for n in names]
     views = {h.name: h for h in hosts}
     links = topology.links(c, {h.name: h.fabric for h in hosts if h.fabric})
     key = cache.fingerprint(dep, facts, links)
@@ -108,7 +108,7 @@ def run(dep: "Deployment", shells: Any, fresh: bool = False, cache_root: str | N
     jobs = {n: [(p, src, dst, max(_df_size(spec, views[n], views[p], lk) - ICMP_IP_HEADER, 0))
                 for lk in links for p, src, dst in topology.peers([lk], n)] for n in names}
     say(f"fabric: {len(links)} link(s) ({c.fabric_topology}): reachability and path MTU")
-    seen = parallel(names, lambda n: probe.pings(shells[n], jobs[n]))
+    seen = parallel([n for n in names if n in facts], lambda n: probe.pings(shells[n], jobs[n]))
     for n, e in seen.failed.items():
         seen[n] = {}
         views[n] = HostFabric(n, None, f"pings failed: {e}", management=views[n].management)
@@ -133,7 +133,7 @@ def run(dep: "Deployment", shells: Any, fresh: bool = False, cache_root: str | N
             missing = [n for n in (lk.a, lk.b) if not views[n].tools.get("iperf3")]
             tcp = (Throughput(None, error=f"iperf3 is not installed on {', '.join(missing)} (apt install iperf3)")
                    if missing else probe.iperf(shells, lk, spec))
-            hcas = (_hca(views[lk.a], facts[lk.a], lk.a_iface), _hca(views[lk.b], facts[lk.b], lk.b_iface))
+            hcas = (_hca(views[lk.a], facts.get(lk.a, {}), lk.a_iface), _hca(views[lk.b], facts.get(lk.b, {}), lk.b_iface))
             if all(hcas) and all(views[n].tools.get("ib_write_bw") for n in (lk.a, lk.b)):
                 return tcp, probe.rdma(shells, lk, hcas[0], hcas[1], gid, spec)
             return tcp, None
