@@ -278,3 +278,16 @@ def test_parse_perftest_reads_the_average_column_past_warnings():
     assert parse_perftest(PERFTEST_OUT).gbps == 92.57
     bad = parse_perftest(" Couldn't connect to 10.0.0.2:5202\nUnable to init the socket connection")
     assert bad.gbps is None and "socket" in bad.error
+
+
+def test_a_link_finding_reaches_both_ends_even_when_host_names_hold_a_dash():
+    """Findings carry the hosts they concern: a host's log and result never parse "a-b" apart."""
+    hosts = [_host("spark-1"), _host("spark-2", addr="10.1.0.2"), _host("spark-3", addr="10.1.0.3")]
+    links = [_link("spark-1", "spark-2", 12.0), _link("spark-1", "spark-3", 150.0)]
+    found = verdicts.judge(hosts, links, FabricSpec(), "switch")
+    assert [(f.where, f.hosts) for f in found] == [("spark-1-spark-2", ("spark-1", "spark-2"))]
+    r = FabricReport("switch", tuple(hosts), tuple(links), tuple(found), 1.0)
+    assert any("STOP slow-link spark-1-spark-2" in x for x in report.lines(r, "spark-2"))
+    assert not any("STOP" in x for x in report.lines(r, "spark-3"))
+    rows = [x.split()[0] for x in report.lines(r, "spark-3") if x.startswith("  spark-")]
+    assert rows == ["spark-3", "spark-1-spark-3"]          # its host row and its one link

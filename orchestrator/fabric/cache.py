@@ -82,5 +82,6 @@ def _report(d: dict[str, Any], at: str) -> FabricReport:
                                      r["network"]), r["reach"], r["df"], r["mtu"], r["rtt_ms"],
                                 _throughput(t),
                                 r["expected_gbps"], r["detail"], _throughput(r.get("rdma"))))
-    findings = [Finding(f["kind"], f["where"], f["message"], f["severity"] == "stop") for f in d["findings"]]
+    findings = [Finding(f["kind"], f["where"], f["message"], f["severity"] == "stop", tuple(f["hosts"]))
+                for f in d["findings"]]
     return FabricReport(d["topology"], tuple(hosts), tuple(links), tuple(findings), d["seconds"], cached_from=at)

@@ -34,14 +34,13 @@ def _int(v: Any) -> int | None:
 def host_view(dep: "Deployment", name: str, facts: dict[str, Any]) -> HostFabric:
     c, h = dep.cluster, dep.cluster.host(name)
     net = facts.get("net", {})
-    mgmt = next((n for n, i in net.items() if h.address in i.get("addrs", [])), "")
+    mgmt = detect.holder(facts, h.address)
     rdma = tuple(facts.get("rdma", []))
     tools = facts.get("tools", {})
     try:
         f = detect.for_host(c, h, dep.recipe.engine.ib_hca, facts)
     except InputError as e:
-        return HostFabric(name, None, e.detail if hasattr(e, "detail") else str(e), management=mgmt,
-                          rdma=rdma, tools=tools)
+        return HostFabric(name, None, e.detail, management=mgmt, rdma=rdma, tools=tools)
     links: dict[str, dict[str, Any]] = {}
     for lk in h.fabric_links:              # mesh: each cable's netdev as the host has it
         i = net.get(lk.iface)
@@ -64,8 +63,7 @@ def host_view(dep: "Deployment", name: str, facts: dict[str, Any]) -> HostFabric
 
 def _hca(h: HostFabric, facts: dict[str, Any], iface: str) -> str:
     """The active RoCE device backing IFACE on the host (the pinned one for a switch), or ""."""
-    backing = sorted(r["dev"] for r in facts.get("rdma", [])
-                     if "ACTIVE" in r.get("state", "") and iface in r.get("netdevs", []))
+    backing = sorted(r["dev"] for r in detect.active_roce(facts) if iface in r.get("netdevs", []))
     if backing:
         return backing[0]
     return h.fabric.hca if h.fabric and h.fabric.topology not in ("mesh", "ring") else ""
@@ -74,14 +72,8 @@ def _hca(h: HostFabric, facts: dict[str, Any], iface: str) -> str:
 def _df_size(spec, a: HostFabric | None, b: HostFabric | None, lk: topology.Link) -> int:
     if spec.mtu:
         return spec.mtu
-    mtus = [m for m in (_mtu(a, lk.a_iface), _mtu(b, lk.b_iface)) if m]
+    mtus = [m for m in (a and a.mtu_of(lk.a_iface), b and b.mtu_of(lk.b_iface)) if m]
     return min(mtus) if mtus else 1500
-
-
-def _mtu(h: HostFabric | None, iface: str) -> int | None:
-    if h is None:
-        return None
-    return h.link_ifaces.get(iface, {}).get("mtu") if h.link_ifaces else h.mtu
 
 
 def run(dep: "Deployment", shells: Any, fresh: bool = False, cache_root: str | None = None,
@@ -139,8 +131,8 @@ def run(dep: "Deployment", shells: Any, fresh: bool = False, cache_root: str | N
             return tcp, None
         done = parallel(rnd, measure)
         for lk in rnd:
-            got = done[lk]
-            tcp, rd = (got if not isinstance(got, BaseException) else (Throughput(None, error=str(got)[:200]), None))
+            pair = done[lk]
+            tcp, rd = (pair if not isinstance(pair, BaseException) else (Throughput(None, error=str(pair)[:200]), None))
             results[lk.name] = replace(results[lk.name], throughput=tcp, rdma=rd)
     linked = [results[lk.name] for lk in links]
     hosts = [views[n] for n in names]

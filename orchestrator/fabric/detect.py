@@ -143,6 +143,17 @@ def head_address(cluster: "Cluster") -> str:
     return head.address if cluster.fabric_topology == "mesh" else (head.fabric_address or head.address)
 
 
+def holder(facts: dict[str, Any], address: str) -> str:
+    """The netdev that holds ADDRESS in a host's FACTS ("" when none; the first in link order if several)."""
+    return next((n for n, i in facts.get("net", {}).items() if address in i.get("addrs", [])), "")
+
+
+def active_roce(facts: dict[str, Any]) -> list[dict[str, Any]]:
+    """The host's RoCE ports that NCCL can use: ACTIVE, Ethernet link layer."""
+    return [r for r in facts.get("rdma", [])
+            if "ACTIVE" in r.get("state", "") and r.get("link_layer", "Ethernet") == "Ethernet"]
+
+
 def pin_hca(host: str, iface: str, active: list[dict[str, Any]], override: str = "") -> tuple[str, str]:
     """The one RoCE HCA NCCL uses on HOST and why: the override (must be active), else the active HCA
     backing the fabric interface, else the first active one by name (deterministic)."""
@@ -164,12 +175,8 @@ def choose_fabric(host: str, facts: dict[str, Any], override_iface: str | None =
                   override_address: str | None = None, mgmt_address: str | None = None,
                   override_hca: str = "") -> Fabric:
     net: dict[str, dict] = facts.get("net", {})
-    active = [r for r in facts.get("rdma", [])
-              if "ACTIVE" in r.get("state", "") and r.get("link_layer", "Ethernet") == "Ethernet"]
+    active = active_roce(facts)
     hcas = tuple(sorted({r["dev"] for r in active}))
-
-    def holds(address: str) -> str:
-        return next((n for n, i in sorted(net.items()) if address in i.get("addrs", [])), "")
 
     def usable(n: str) -> bool:
         i = net.get(n)
@@ -187,9 +194,9 @@ def choose_fabric(host: str, facts: dict[str, Any], override_iface: str | None =
                              f"{net[override_iface].get('operstate')}, not up",
                              key=f"all.hosts.{host}.fabric_iface")
         iface, reason = override_iface, f"{override_iface} (inventory override)"
-    elif override_address and usable(holds(override_address)):
+    elif override_address and usable(holder(facts, override_address)):
         # the inventory's fabric address: the netdev holding it is the fabric, whatever routes elsewhere
-        iface = holds(override_address)
+        iface = holder(facts, override_address)
         reason = f"{iface}: holds the fabric address {override_address}" + (
             f"; backs active RoCE device(s) {', '.join(hcas)}" if any(iface in r.get("netdevs", []) for r in active)
             else "; no active RoCE device on it, NCCL over sockets")
@@ -204,12 +211,12 @@ def choose_fabric(host: str, facts: dict[str, Any], override_iface: str | None =
         elif route and route != "lo" and usable(route):
             iface, reason = route, f"{route}: routes to the head; no active RoCE device, NCCL over sockets"
         else:
-            holder = next((n for n, i in net.items() if mgmt_address in i.get("addrs", [])), "")
-            if not holder or not usable(holder):
+            holds = holder(facts, mgmt_address or "")
+            if not holds or not usable(holds):
                 raise InputError(f"host {host}: no usable fabric interface (no active RoCE port, no route "
                                  "to the head); set fabric_iface in the inventory",
                                  key=f"all.hosts.{host}.fabric_iface")
-            iface, reason = holder, f"{holder}: holds the host's address; no active RoCE device"
+            iface, reason = holds, f"{holds}: holds the host's address; no active RoCE device"
     addrs = net.get(iface, {}).get("addrs", [])
     address = override_address or (addrs[0] if addrs else "")
     if not address:
@@ -252,20 +259,17 @@ RING_ENV_NOTE = "not every pair cabled: NCCL_ALGO=Ring"
 def mesh_fabric(host: str, facts: dict[str, Any], mgmt_address: str, override_hca: str = "") -> Fabric:
     """A mesh host's NCCL settings: bootstrap on the netdev holding the management address, RDMA over
     every active HCA (the cables themselves are checked by orchestrator/fabric/, per link)."""
-    net: dict[str, dict] = facts.get("net", {})
-    holder = next((n for n, i in net.items() if mgmt_address in i.get("addrs", [])), "")
-    if not holder:
+    mgmt = holder(facts, mgmt_address)
+    if not mgmt:
         raise InputError(f"host {host}: no netdev holds its address {mgmt_address} (the NCCL bootstrap of a "
                          "mesh runs over the management network)", key=f"all.hosts.{host}.ansible_host")
-    active = [r for r in facts.get("rdma", [])
-              if "ACTIVE" in r.get("state", "") and r.get("link_layer", "Ethernet") == "Ethernet"]
-    hcas = tuple(sorted({r["dev"] for r in active}))
+    hcas = tuple(sorted({r["dev"] for r in active_roce(facts)}))
     if override_hca and override_hca not in hcas:
         raise InputError(f"host {host}: engine.ib_hca {override_hca!r} is not an active RoCE device there "
                          f"(active: {', '.join(hcas) or 'none'})", key=f"engine.ib_hca.{host}")
-    reason = (f"mesh: NCCL bootstrap over {holder} (management); "
+    reason = (f"mesh: NCCL bootstrap over {mgmt} (management); "
               + (f"RDMA over {', '.join(hcas)}" if hcas else "no active RoCE device, NCCL over sockets"))
-    return Fabric(holder, mgmt_address, hcas, reason, override_hca, "", "mesh")
+    return Fabric(mgmt, mgmt_address, hcas, reason, override_hca, "", "mesh")
 
 
 def fabric_env(f: Fabric, roce: dict[str, str] | None = None) -> dict[str, str]:

@@ -23,6 +23,10 @@ class HostFabric:
     tools: dict[str, bool] = field(default_factory=dict)
     link_ifaces: dict[str, dict[str, Any]] = field(default_factory=dict)   # mesh: netdev -> its facts
 
+    def mtu_of(self, iface: str) -> int | None:
+        """The MTU of IFACE: a mesh cable's netdev, else the fabric netdev's."""
+        return self.link_ifaces.get(iface, {}).get("mtu") if self.link_ifaces else self.mtu
+
     def to_json(self) -> dict[str, Any]:
         f = self.fabric
         return {"host": self.name, "iface": f.iface if f else None, "address": f.address if f else None,
@@ -57,10 +61,11 @@ class Finding:
     where: str                         # a host name or a link "a-b"
     message: str
     stop: bool                         # False: the recipe's fabric.warn lists this kind
+    hosts: tuple[str, ...] = ()        # the hosts it concerns: the host, or both ends of the link
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "where": self.where, "message": self.message,
-                "severity": "stop" if self.stop else "warn"}
+                "severity": "stop" if self.stop else "warn", "hosts": list(self.hosts)}
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ..errors import InputError
+from .detect import active_roce, holder
 
 if TYPE_CHECKING:
     from ..inventory import Cluster, Host
@@ -54,13 +55,8 @@ def ports(cluster: "Cluster", host: "Host", facts: dict[str, Any] | None) -> lis
 
 
 def _iface_from(facts: dict[str, Any], address: str) -> str:
-    net = facts.get("net", {})
-    holder = next((n for n, i in sorted(net.items()) if address in i.get("addrs", [])), "")
-    if holder:
-        return holder
-    roce = sorted({n for r in facts.get("rdma", []) if "ACTIVE" in r.get("state", "")
-                   for n in r.get("netdevs", [])})
-    return roce[0] if roce else ""
+    roce = sorted({n for r in active_roce(facts) for n in r.get("netdevs", [])})
+    return holder(facts, address) or (roce[0] if roce else "")
 
 
 def render(host: str, cluster_name: str, topology: str, host_ports: list[Port], mtu: int) -> str:

@@ -13,17 +13,13 @@ def _ok(v: bool | None) -> str:
     return "-" if v is None else ("ok" if v else "FAIL")
 
 
-def _mine(where: str, host: str | None) -> bool:
-    return host is None or where == host or host in where.split("-")
-
-
 def lines(r: FabricReport, host: str | None = None) -> list[str]:
     """The report; with HOST only that host's row, its links and its verdicts (its log)."""
     when = f"cached from {r.cached_from}" if r.cached_from else f"measured in {r.seconds:.1f} s"
     out = [f"fabric ({r.topology}): {len(r.hosts)} host(s), {len(r.links)} link(s), {when}"]
     rows = [["host", "netdev", "address", "subnet", "state", "MTU", "speed", "RoCE", "mgmt"]]
     for h in r.hosts:
-        if not _mine(h.name, host):
+        if host not in (None, h.name):
             continue
         f = h.fabric
         roce = ",".join(f"{x.get('dev')}:{x.get('state', '').split(':')[-1].strip()}" for x in h.rdma) or "-"
@@ -38,7 +34,7 @@ def lines(r: FabricReport, host: str | None = None) -> list[str]:
     if r.links:
         rows = [["link", "addresses", "ping", "DF ping", "RTT ms", "TCP Gb/s", "RDMA Gb/s", "expected"]]
         for x in r.links:
-            if not _mine(x.link.name, host):
+            if host not in (None, x.link.a, x.link.b):
                 continue
             lk, t = x.link, x.throughput
             reach = all(x.reach.values())
@@ -53,7 +49,7 @@ def lines(r: FabricReport, host: str | None = None) -> list[str]:
     if slow and slow.throughput and slow.throughput.gbps is not None:
         out.append(f"slowest link: {slow.link.name} {slow.throughput.gbps:.2f} Gb/s")
     for f in r.findings:
-        if not _mine(f.where, host):
+        if host is not None and host not in f.hosts:
             continue
         out.append(f"{'STOP' if f.stop else 'WARN'} {f.kind} {f.where}: {f.message}")
     out.append("fabric ok" if r.ok else f"fabric NOT ok: {sum(f.stop for f in r.findings)} problem(s) stop the launch")

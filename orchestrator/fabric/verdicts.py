@@ -18,6 +18,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from .model import Finding, HostFabric, LinkResult
+from .topology import Link
 
 if TYPE_CHECKING:
     from ..recipe import FabricSpec
@@ -33,8 +34,10 @@ def expected_gbps(spec: "FabricSpec", a: HostFabric | None, b: HostFabric | None
 def judge(hosts: list[HostFabric], links: list[LinkResult], spec: "FabricSpec", topology: str) -> list[Finding]:
     out: list[Finding] = []
 
-    def add(kind: str, where: str, message: str) -> None:
-        out.append(Finding(kind, where, message, stop=kind not in spec.warn))
+    def add(kind: str, subject: "str | Link", message: str) -> None:
+        """A finding on a host (its name) or on a link (both its ends)."""
+        where, hosts = (subject, (subject,)) if isinstance(subject, str) else (subject.name, (subject.a, subject.b))
+        out.append(Finding(kind, where, message, stop=kind not in spec.warn, hosts=hosts))
 
     for h in hosts:
         f = h.fabric
@@ -78,33 +81,33 @@ def judge(hosts: list[HostFabric], links: list[LinkResult], spec: "FabricSpec", 
         lost = [d for d, ok in r.reach.items() if not ok]
         if lost:
             why = "; ".join(f"{way[d]}: {r.detail[d]}" for d in lost if r.detail.get(d))
-            add("unreachable", lk.name, f"{lk.a_addr} <-> {lk.b_addr}: no reply "
+            add("unreachable", lk, f"{lk.a_addr} <-> {lk.b_addr}: no reply "
                                         f"{' and '.join(way[d] for d in lost)}" + (f" ({why})" if why else ""))
             continue
-        ma = a.link_ifaces.get(lk.a_iface, {}).get("mtu") if a and a.link_ifaces else (a.mtu if a else None)
-        mb = b.link_ifaces.get(lk.b_iface, {}).get("mtu") if b and b.link_ifaces else (b.mtu if b else None)
+        ma = a.mtu_of(lk.a_iface) if a else None
+        mb = b.mtu_of(lk.b_iface) if b else None
         blocked = [d for d, ok in r.df.items() if ok is False]
         why = "; ".join(f"{way[d]}: {r.detail[f'df {d}']}" for d in blocked if r.detail.get(f"df {d}"))
         if ma is not None and mb is not None and ma != mb:
-            add("mtu", lk.name, f"MTU mismatch on the path: {lk.a} {lk.a_iface} {ma}, {lk.b} {lk.b_iface} {mb}"
+            add("mtu", lk, f"MTU mismatch on the path: {lk.a} {lk.a_iface} {ma}, {lk.b} {lk.b_iface} {mb}"
                                 + (f" (don't-fragment ping of {r.df_size}: {why})" if why else ""))
         elif blocked:
-            add("mtu", lk.name, f"path MTU below {r.df_size}: a don't-fragment ping of {r.df_size} bytes does "
+            add("mtu", lk, f"path MTU below {r.df_size}: a don't-fragment ping of {r.df_size} bytes does "
                                 f"not cross {' and '.join(way[d] for d in blocked)}" + (f" ({why})" if why else "")
                                 + ": a switch port or an interface on the path has a smaller MTU")
         rd = r.rdma
         if rd is not None and rd.gbps is None:
-            add("unmeasured", lk.name, f"RDMA bandwidth not measured: {rd.error}")
+            add("unmeasured", lk, f"RDMA bandwidth not measured: {rd.error}")
         elif rd is not None and r.expected_gbps and rd.gbps is not None and rd.gbps < spec.min_fraction * r.expected_gbps:
-            add("slow-link", lk.name, f"RDMA {rd.gbps:.2f} Gb/s (ib_write_bw) {lk.a} -> {lk.b}, under "
+            add("slow-link", lk, f"RDMA {rd.gbps:.2f} Gb/s (ib_write_bw) {lk.a} -> {lk.b}, under "
                                       f"{spec.min_fraction:g} x the expected {r.expected_gbps:g} Gb/s")
         t = r.throughput
         if t is None:
             continue
         if t.gbps is None:
-            add("unmeasured", lk.name, f"throughput not measured: {t.error}")
+            add("unmeasured", lk, f"throughput not measured: {t.error}")
         elif r.expected_gbps and t.gbps < spec.min_fraction * r.expected_gbps:
-            add("slow-link", lk.name, f"{t.gbps:.2f} Gb/s measured {lk.a} -> {lk.b}, under "
+            add("slow-link", lk, f"{t.gbps:.2f} Gb/s measured {lk.a} -> {lk.b}, under "
                                       f"{spec.min_fraction:g} x the expected {r.expected_gbps:g} Gb/s "
                                       f"(retransmits {t.retransmits if t.retransmits is not None else '?'}): "
                                       "check the cable, the transceiver and the port's negotiated mode")

@@ -55,14 +55,14 @@ def apply(dep, actions, ctx):
     text = report.lines(rep)
     for line in text:
         ctx.say(line)
-    ctx.write_json("fabric.json", rep.to_json())
     doc = rep.to_json()
+    ctx.write_json("fabric.json", doc)
     out = []
     for a in actions:
         log = ctx.host_log(a.host, "fabric")
         for line in report.lines(rep, a.host):
             log.write(line)
-        mine = [f for f in rep.findings if a.host == f.where or a.host in f.where.split("-")]
+        mine = [f for f in rep.findings if a.host in f.hosts]
         stops = [f for f in mine if f.stop]
         data = {"fabric": doc} if a.host == dep.cluster.head else {}
         if stops:
