@@ -512,17 +512,12 @@ class State:
         _write_atomic(self.path(self.name), json.dumps(asdict(self), indent=2) + "\n")
 
 
-def _iptables_rule(name: str, bridge: str) -> list[str]:
+def _iptables_rule(name: str, bridge: str, what: str = "") -> list[str]:
     # Docker sets FORWARD's policy to DROP and br_netfilter sends bridged frames through it, so
     # host-to-host traffic on our bridge needs an explicit ACCEPT (scoped to this bridge only).
-    return ["FORWARD", "-i", bridge, "-o", bridge, "-m", "comment", "--comment", f"dctl-testcluster-{name}",
-            "-j", "ACCEPT"]
-
-
-def _fabric_iptables_rule(name: str, bridge: str) -> list[str]:
-    # the same for the fabric bridge, with its own comment
-    return ["FORWARD", "-i", bridge, "-o", bridge, "-m", "comment", "--comment",
-            f"dctl-testcluster-{name}-fabric", "-j", "ACCEPT"]
+    # WHAT: "fabric" for the fabric bridge's rule (its own comment).
+    comment = f"dctl-testcluster-{name}" + (f"-{what}" if what else "")
+    return ["FORWARD", "-i", bridge, "-o", bridge, "-m", "comment", "--comment", comment, "-j", "ACCEPT"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -617,7 +612,7 @@ def cleanup(name: str, log: Callable[[str], None] = lambda m: None) -> list[str]
             _run(["ip", "link", "del", b], check=False)
             removed.append(f"bridge {b}")
     rules = [st.iptables_rule if st and st.iptables_rule else _iptables_rule(name, br),
-             st.fabric_iptables_rule if st and st.fabric_iptables_rule else _fabric_iptables_rule(name, fb)]
+             st.fabric_iptables_rule if st and st.fabric_iptables_rule else _iptables_rule(name, fb, "fabric")]
     for rule in rules:
         while _run(["iptables", "-C", *rule], check=False).returncode == 0:
             _run(["iptables", "-D", *rule], check=False)
@@ -760,7 +755,7 @@ class TestCluster:
         st.iptables_rule = _iptables_rule(self.name, self.bridge)
         st.fabric_bridge = self.fabric_bridge
         st.fabric_subnet = f"10.214.{subnet_index(self.name)}.0/24"
-        st.fabric_iptables_rule = _fabric_iptables_rule(self.name, self.fabric_bridge)
+        st.fabric_iptables_rule = _iptables_rule(self.name, self.fabric_bridge, "fabric")
         st.save()                       # recorded before anything is made
 
         # keys: one client key, one host key per host
