@@ -84,6 +84,20 @@ def test_docker_and_gpu_checks_are_honest():
     assert errs.status == "failed" and "permission denied" in errs.detail
 
 
+def test_docker_check_reports_version_and_store_and_refuses_an_engine_too_old():
+    containerd = {"ServerVersion": "26.1.5+dfsg1", "Driver": "overlayfs", "Runtimes": {"runc": {}},
+                  "DriverStatus": [["driver-type", "io.containerd.snapshotter.v1"]]}
+    c, _ = pf.docker_runtimes(0, json.dumps(containerd), "")
+    assert c.status == "ok" and "Docker 26.1.5+dfsg1, containerd image store" in c.detail
+    graph = {"ServerVersion": "20.10.24+dfsg1", "Driver": "overlay2", "Runtimes": {"runc": {}},
+             "DriverStatus": [["Backing Filesystem", "extfs"], ["Supports d_type", "true"]]}
+    c, _ = pf.docker_runtimes(0, json.dumps(graph), "")
+    assert c.status == "ok" and "Docker 20.10.24+dfsg1, graph-driver store (overlay2)" in c.detail
+    old, runtimes = pf.docker_runtimes(0, json.dumps({**graph, "ServerVersion": "19.03.15"}), "")
+    assert old.status == "failed" and runtimes == ["runc"]
+    assert "19.03.15 is too old" in old.detail and "20.10 or newer" in old.detail
+
+
 def test_space_needs_on_one_filesystem_add_up_and_staged_bytes_count():
     assert pf.parse_space("70000000000 /mnt/nvme\n0\n") == (70_000_000_000, "/mnt/nvme", 0)
     two = [("/mnt/nvme/a", 40.0, (70_000_000_000, "/mnt/nvme", 0)),

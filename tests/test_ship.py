@@ -109,7 +109,9 @@ def test_fresh_ship_reship_and_patch(cluster, small):
     for w, r in results(doc).items():
         d = r["data"]
         assert r["status"] == "ok" and d["layers_sent"] == 1 and d["layers_skipped"] == 3, r
-        assert 10_000 < d["bytes_sent"] < 10_000 + 16_384, d
+        # the layer plus the metadata: config, manifest, index (Docker 25+ also writes a legacy json
+        # blob per layer): 17.6 KB measured on Docker 26, 4 KB on 20.10
+        assert 10_000 < d["bytes_sent"] < 10_000 + 24_576, d
         assert d["bytes_sent"] < full / 20
         assert image_id(cluster, w, SMALL) == new_id
 

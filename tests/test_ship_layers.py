@@ -116,8 +116,9 @@ def fake_save(diff_ids: list[str], sizes: list[int], image_id: str = "sha256:" +
     return buf.getvalue(), folders
 
 
-def route(archive: bytes, diff_ids: list[str], send: dict[str, list[int]], image_id: str | None = None):
-    f = SaveFilter(diff_ids, send, image_id)
+def route(archive: bytes, diff_ids: list[str], send: dict[str, list[int]], image_id: str | None = None,
+          blob_diffs: dict[str, str] | None = None):
+    f = SaveFilter(diff_ids, send, image_id, blob_diffs)
     outs = {t: bytearray() for t in send}
     for to, chunk in f.route(io.BytesIO(archive)):
         for t in to:
@@ -175,6 +176,100 @@ def test_filter_matches_blobs_by_digest():
     _, out = route(buf.getvalue(), [diff], {"has": [], "lacks": [0]})
     assert names(out["has"]) == ["blobs/sha256/" + "e" * 64, "index.json"]
     assert len(names(out["lacks"])) == 3
+
+
+def containerd_save(layers: list[bytes], manifest_last: bool = True) -> tuple[bytes, dict]:
+    """An archive as a containerd-store engine's `docker save` writes it (Docker 26.1.5 here): gzip
+    layer blobs named by their compressed digest, config and manifest blobs, all in digest order."""
+    import gzip
+    blobs, diffs, gz = {}, [], []
+    for data in layers:
+        diffs.append("sha256:" + hashlib.sha256(data).hexdigest())
+        z = gzip.compress(data, mtime=0)
+        gz.append("sha256:" + hashlib.sha256(z).hexdigest())
+        blobs[gz[-1]] = z
+    config = json.dumps({"rootfs": {"type": "layers", "diff_ids": diffs}}).encode()
+    cfg = "sha256:" + hashlib.sha256(config).hexdigest()
+    blobs[cfg] = config
+    manifest = json.dumps({"schemaVersion": 2, "config": {"digest": cfg},
+                           "layers": [{"digest": d} for d in gz]}).encode()
+    mid = "sha256:" + hashlib.sha256(manifest).hexdigest()
+    blobs[mid] = manifest
+    order = sorted(blobs)
+    if manifest_last:                    # the worst case for a streaming reader: after every layer
+        order = [d for d in order if d != mid] + [mid]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w|", format=tarfile.PAX_FORMAT) as tf:
+        for d in order:
+            _member(tf, "blobs/sha256/" + d[7:], blobs[d])
+        _member(tf, "index.json", json.dumps({"manifests": [{"digest": mid}]}).encode())
+    return buf.getvalue(), {"id": mid, "config": cfg, "diff_ids": diffs, "blobs": gz}
+
+
+def test_filter_maps_compressed_blobs_to_diff_ids_through_the_manifest():
+    archive, img = containerd_save([os.urandom(3000), os.urandom(2000), b"patch" * 100])
+    blob_diffs = dict(zip(img["blobs"], img["diff_ids"]))
+    f, out = route(archive, img["diff_ids"], {"has2": [2], "lacks": [0, 1, 2]}, img["id"], blob_diffs)
+    got = {n for n in names(out["has2"]) if n.startswith("blobs/sha256/")}
+    layer_blobs = {"blobs/sha256/" + b[7:] for b in img["blobs"]}
+    assert got & layer_blobs == {"blobs/sha256/" + img["blobs"][2][7:]}     # only its missing layer
+    assert layer_blobs <= set(names(out["lacks"]))
+    assert sorted(ev["index"] for ev in f.events) == [0, 1, 2]
+    # without the manifest's map the compressed blobs are unknown, so every target gets them: no guess
+    _, blind = route(archive, img["diff_ids"], {"has2": [2]}, img["id"])
+    assert layer_blobs <= set(names(blind["has2"]))
+
+
+def test_manifest_scan_finds_config_and_blobs_even_when_the_manifest_comes_last():
+    from orchestrator.hostside import image_manifest
+    for last in (True, False):
+        archive, img = containerd_save([os.urandom(1000), os.urandom(1000)], manifest_last=last)
+        got = image_manifest.scan(io.BytesIO(archive), img["id"], "amd64")
+        assert got == {"manifest": img["id"], "config": img["config"], "layers": img["blobs"]}
+    # an ID that names no manifest (a graph-driver store's, the config digest): index.json says
+    assert image_manifest.scan(io.BytesIO(archive), img["config"], "amd64")["config"] == img["config"]
+    # an index: the platform asked for, not an attestation manifest
+    docs = {"sha256:i": {"manifests": [{"digest": "sha256:att", "platform": {"architecture": "unknown"}},
+                                      {"digest": "sha256:arm", "platform": {"architecture": "arm64"}},
+                                      {"digest": "sha256:x86", "platform": {"architecture": "amd64"}}]},
+            "sha256:arm": {"config": {"digest": "sha256:c-arm"}, "layers": []},
+            "sha256:x86": {"config": {"digest": "sha256:c-x86"}, "layers": []}}
+    assert image_manifest.resolve(docs, "sha256:i", "arm64")["config"] == "sha256:c-arm"
+    assert image_manifest.resolve(docs, "sha256:i", "riscv64")["config"] == "sha256:c-arm"
+
+
+def test_the_same_image_is_found_across_image_stores():
+    from orchestrator.ship.stores import EngineFacts
+    from orchestrator.ship.transfer import HeadImage, Manifest, WorkerImages, find_image, whole_image_reason
+    diffs = ("sha256:" + "1" * 64, "sha256:" + "2" * 64)
+    cfg, mid, other = "sha256:" + "c" * 64, "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    cd26, g26, g20 = EngineFacts("26.1.5", "overlayfs", True), EngineFacts("26.1.5", "overlay2"), EngineFacts("20.10.24")
+    head_cd = HeadImage("img:1", mid, diffs, 1, engine=cd26, manifest=Manifest(mid, cfg, ("sha256:g1", "sha256:g2")))
+    head_g = HeadImage("img:1", cfg, diffs, 1, engine=g20)
+    asked: list[str] = []
+
+    def config_of(i: str) -> str:
+        asked.append(i)
+        return cfg if i == other else "sha256:" + "9" * 64
+
+    def worker(ids, engine, tagged=None):
+        return WorkerImages(frozenset(ids), frozenset(), {tagged: ("img:1",)} if tagged else {},
+                            {i: diffs for i in ids}, engine)
+
+    assert find_image(head_cd, worker([mid], cd26), config_of) == mid              # containerd -> containerd
+    assert find_image(head_cd, worker([cfg], g20), config_of) == cfg              # containerd -> graph: config
+    assert find_image(head_g, worker([cfg], g26), config_of) == cfg               # graph -> graph
+    assert find_image(head_g, worker([other], g26), config_of) is None            # a graph ID is its config
+    assert not asked
+    # graph -> containerd: the worker's own manifest is read for its config; the tagged one first
+    assert find_image(head_g, worker(["sha256:" + "0" * 64, other], cd26, tagged=other), config_of) == other
+    assert asked == [other]
+    assert find_image(head_g, worker(["sha256:" + "0" * 64], cd26), config_of) is None
+    assert head_cd.blob_diffs() == {"sha256:g1": diffs[0], "sha256:g2": diffs[1]} and head_g.blob_diffs() == {}
+    # the one combination without a delta: a legacy archive into a containerd store
+    assert "whole image" in whole_image_reason(head_g, worker([], cd26))
+    assert whole_image_reason(HeadImage("img:1", cfg, diffs, 1, engine=g26), worker([], cd26)) is None
+    assert whole_image_reason(head_g, worker([], g26)) is None
 
 
 # --------------------------------------------------------------------------------------------------

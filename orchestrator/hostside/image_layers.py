@@ -12,7 +12,9 @@ its `json`, which precedes layer.tar: a folder's name is the sha256 of a canonic
 file with `layer_id` = the layer's chain ID (moby image/v1.CreateID). A chain ID of the image that
 reproduces the folder's name identifies it with certainty; a folder nothing reproduces is sent
 (never dropped on a guess). Engines that name layer blobs by digest (blobs/sha256/<hex>, Docker 25+)
-are matched on the name directly.
+are matched on the name: a graph-driver store's blob name is the layer's diff_id; a containerd
+store keeps layers compressed, so its blob names map to diff_ids through the manifest (`blob_diffs`,
+read beforehand by image_manifest.py). A blob matched by neither is sent to every target.
 
 `docker load` accepts an archive reduced to the folders a target lacks, because it skips every layer
 whose chain is already in its store (verified on 20.10: docs/deployment-facts.md, "Verified: `docker load` of a partial save").
@@ -244,8 +246,10 @@ class SaveFilter:
     After the stream: `folders` (v1 folder -> layer index or None), `unidentified`, `config_seen`.
     """
 
-    def __init__(self, diff_ids: list[str], send: dict[str, list[int]], image_id: str | None = None):
+    def __init__(self, diff_ids: list[str], send: dict[str, list[int]], image_id: str | None = None,
+                 blob_diffs: dict[str, str] | None = None):
         self.diff_ids = diff_ids
+        self.blob_diffs = blob_diffs or {}     # compressed blob digest -> diff_id (containerd store)
         self.chains = chain_ids(diff_ids)
         self.targets = frozenset(send)
         self.send = {t: frozenset(ix) for t, ix in send.items()}
@@ -313,7 +317,12 @@ class SaveFilter:
                 continue
             if top == "blobs" and rest.startswith("sha256/") and HEX64.match(rest[7:]):
                 digest = "sha256:" + rest[7:]
-                to = self._for_diff(digest) if digest in self.diff_ids else self.targets
+                diff = self.blob_diffs.get(digest, digest)
+                if diff in self.diff_ids:
+                    to = self._for_diff(diff)
+                    self.events.append({"folder": rest[7:], "index": self.diff_ids.index(diff), "to": sorted(to)})
+                else:
+                    to = self.targets          # the config, manifests, or a blob nothing names: sent
                 yield from self._whole(to, m)
                 continue
             yield from self._whole(self.targets, m)

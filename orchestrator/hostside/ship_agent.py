@@ -12,7 +12,7 @@ started and exits.
 
 Output (stdout): one JSON object a line. {"ev": "start"}, {"ev": "p", ...} heartbeats with byte
 counts every `progress_s`, {"ev": "layer", ...} per layer folder, last {"ev": "done", ...}.
-SPEC (argv[1], JSON): image_id, diff_ids, save (argv), workers [{name, argv, send: [layer index]}],
+SPEC (argv[1], JSON): image_id, diff_ids, blob_diffs (blob digest -> diff_id), save (argv), workers [{name, argv, send: [layer index]}],
 need_files [paths the ssh to workers needs], stall_s, deadline_s, load_timeout_s, progress_s, queue.
 """
 from __future__ import annotations
@@ -266,7 +266,8 @@ class Agent:
     def pump(self) -> None:
         assert self.save is not None and self.save.stdout is not None
         by_name = {w.name: w for w in self.workers}
-        flt = SaveFilter(self.spec["diff_ids"], {w.name: w.send for w in self.workers}, self.spec.get("image_id"))
+        flt = SaveFilter(self.spec["diff_ids"], {w.name: w.send for w in self.workers}, self.spec.get("image_id"),
+                         self.spec.get("blob_diffs"))
         counted = _Counting(self.save.stdout, self)
         reported = 0
         try:

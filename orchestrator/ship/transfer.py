@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..executors.docker_cli import docker_argv
 from ..hostside.image_layers import layers_to_send, present_chains
 from ..signals import describe_exit, exit_text
+from .stores import INFO_FORMAT, EngineFacts, facts_from_line
 
 if TYPE_CHECKING:
     from ..executors.ssh import SSHSession
@@ -53,12 +54,34 @@ def short(image_id: str) -> str:
 # What the head and the workers hold
 
 @dataclass(frozen=True)
+class Manifest:
+    """What an image's OCI manifest says: its config digest and its layer blobs (in diff_id order)."""
+    digest: str
+    config: str
+    layers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class HeadImage:
     name: str
     id: str
     diff_ids: tuple[str, ...]
     size: int                                  # bytes, as the engine reports (uncompressed)
     layer_sizes: tuple[int, ...] | None = None  # estimate per layer (docker history), display only
+    engine: EngineFacts = EngineFacts("")
+    manifest: Manifest | None = None           # containerd store: read out of docker save (manifest_of)
+    arch: str = ""                             # the image's GOARCH (picks the manifest of an index)
+
+    @property
+    def config(self) -> str:
+        """The config digest: the identity every image store keeps (a graph-driver store's ID)."""
+        return self.manifest.config if self.manifest else self.id
+
+    def blob_diffs(self) -> dict[str, str]:
+        """Layer blob digest -> diff_id, where blob names are not diff_ids (compressed layers)."""
+        if not self.manifest:
+            return {}
+        return {b: d for b, d in zip(self.manifest.layers, self.diff_ids) if b != d}
 
     def estimate(self, indices: list[int]) -> int | None:
         if self.layer_sizes is None:
@@ -74,7 +97,8 @@ def _sh(*commands: list[str], sep: str = "") -> str:
 
 def inspect_head(s: "SSHSession", image: str, docker_host: str) -> HeadImage:
     sep = "--deployctl-history--"
-    r = s.run(_sh(docker_argv(docker_host, "image", "inspect", "--format", "{{json .}}", image),
+    r = s.run(_sh(docker_argv(docker_host, "info", "--format", INFO_FORMAT),
+                  docker_argv(docker_host, "image", "inspect", "--format", "{{json .}}", image),
                   docker_argv(docker_host, "history", "--no-trunc", "--human=false", "--format", "{{.Size}}", image),
                   sep=sep), timeout=INSPECT_TIMEOUT)
     if r.rc != 0 and sep not in r.stdout:
@@ -84,13 +108,58 @@ def inspect_head(s: "SSHSession", image: str, docker_host: str) -> HeadImage:
                             f"first (deployctl build) or pass --image")
         raise ShipError(f"`docker image inspect {image}` on the head failed (exit {r.rc}): {err[-500:]}",
                         rc=r.rc)
-    inspect, _, history = r.stdout.partition(sep)
+    info, _, rest = r.stdout.partition(sep)
+    inspect, _, history = rest.partition(sep)
     doc = json.loads(inspect)
     diff_ids = tuple(doc["RootFS"].get("Layers") or ())
     if not diff_ids:
         raise ShipError(f"image {image} on the head has no layers to ship")
     return HeadImage(image, doc["Id"], diff_ids, int(doc.get("Size") or 0),
-                     history_layer_sizes(history, len(diff_ids)) if r.rc == 0 else None)
+                     history_layer_sizes(history, len(diff_ids)) if r.rc == 0 else None,
+                     engine=facts_from_line(info), arch=str(doc.get("Architecture") or ""))
+
+
+def with_manifest(s: "SSHSession", head: HeadImage, docker_host: str, cache_root: str | None) -> HeadImage:
+    """HEAD with its manifest when its store keeps one apart from the config (containerd store)."""
+    if not head.engine.containerd_store:
+        return head
+    m = manifest_of(s, docker_host, head.id, head.arch, cache_root)
+    if len(m.layers) != len(head.diff_ids):
+        raise ShipError(f"the manifest of {head.name} lists {len(m.layers)} layers, its config "
+                        f"{len(head.diff_ids)}: not shipping an image that does not add up")
+    from dataclasses import replace
+    return replace(head, manifest=m)
+
+
+def manifest_of(s: "SSHSession", docker_host: str, image_id: str, arch: str, cache_root: str | None,
+                timeout: float = 1800.0) -> Manifest:
+    """IMAGE_ID's manifest on a containerd-store engine, read out of its `docker save` on that host
+    (hostside/image_manifest.py). Kept in <cache_root>/image-manifests/<hex>.json: a manifest digest
+    names the same manifest forever, so the answer never goes stale."""
+    hex_ = image_id.split(":", 1)[-1]
+    path = Path(cache_root) / "image-manifests" / f"{hex_}.json" if cache_root else None
+    if path is not None and path.exists():
+        try:
+            doc = json.loads(path.read_text())
+            return Manifest(doc["manifest"], doc["config"], tuple(doc["layers"]))
+        except (OSError, ValueError, KeyError):
+            pass
+    program = ((HOSTSIDE / "image_layers.py").read_text() + "\n\n# ---- image_manifest.py ----\n"
+               + (HOSTSIDE / "image_manifest.py").read_text().replace("from __future__ import annotations\n", ""))
+    spec = {"save": docker_argv(docker_host, "save", image_id), "image_id": image_id, "arch": arch}
+    r = s.run(shlex.join(["python3", "-c", program, json.dumps(spec)]), timeout=timeout)
+    try:
+        doc = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        doc = {"error": (r.stderr or r.stdout).strip()[-400:] or f"exit {r.rc}"}
+    if "error" in doc or not doc.get("config"):
+        raise ShipError(f"cannot read the manifest of {short(image_id)}: {doc.get('error', 'no config')}", rc=r.rc)
+    m = Manifest(doc["manifest"], doc["config"], tuple(doc["layers"]))
+    if path is not None:
+        from ..fsutil import atomic_write_text
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(doc) + "\n")
+    return m
 
 
 def history_layer_sizes(text: str, n_layers: int) -> tuple[int, ...] | None:
@@ -112,10 +181,42 @@ class WorkerImages:
     image_ids: frozenset[str]
     chains: frozenset[str]
     tags: dict[str, tuple[str, ...]] = field(default_factory=dict)     # image ID -> its RepoTags
+    layers: dict[str, tuple[str, ...]] = field(default_factory=dict)   # image ID -> its diff_ids
+    engine: EngineFacts = EngineFacts("")
 
-    def tagged(self, head: HeadImage) -> bool:
-        """The worker's tag for the image already names the head's image ID."""
-        return normal_ref(head.name) in self.tags.get(head.id, ())
+    def tagged(self, head: HeadImage, image_id: str | None = None) -> bool:
+        """The worker's tag for the image already names IMAGE_ID (default the head's image ID)."""
+        return normal_ref(head.name) in self.tags.get(image_id or head.id, ())
+
+    def candidates(self, head: HeadImage) -> list[str]:
+        """Images with the head's layers, other IDs than the head's: the same image in another store
+        (or another config over the same layers); the one tagged with the image's name first."""
+        same = [i for i, d in self.layers.items() if d == head.diff_ids]
+        return sorted(same, key=lambda i: (normal_ref(head.name) not in self.tags.get(i, ()), i))
+
+
+def find_image(head: HeadImage, have: WorkerImages, config_of: Callable[[str], str]) -> str | None:
+    """The worker's ID for the head's image, or None when it lacks it. IDs are comparable only within
+    one kind of store (stores.py): the same ID; else the head's config digest as a graph-driver
+    worker's ID; else, on a containerd-store worker, an image with the same layers whose manifest
+    names the same config (CONFIG_OF reads it there)."""
+    if head.id in have.image_ids:
+        return head.id
+    if head.config in have.image_ids:
+        return head.config
+    if have.engine.containerd_store:
+        for candidate in have.candidates(head):
+            if config_of(candidate) == head.config:
+                return candidate
+    return None
+
+
+def whole_image_reason(head: HeadImage, have: WorkerImages) -> str | None:
+    """Why this worker must get every layer even where it has some, or None (a delta is safe)."""
+    if have.engine.containerd_store and not head.engine.oci_save:
+        return (f"the head's Docker {head.engine.version} saves the legacy archive layout, which a "
+                f"containerd-store engine cannot load with layers left out: sending the whole image")
+    return None
 
 
 def normal_ref(ref: str) -> str:
@@ -127,39 +228,53 @@ def normal_ref(ref: str) -> str:
 
 
 def probe_worker(s: "SSHSession", docker_host: str) -> WorkerImages:
-    """Every image of the worker's engine with its tags and layers, in one SSH round trip."""
+    """The worker's engine and every image in it with its tags and layers, in one SSH round trip."""
+    info = shlex.join(docker_argv(docker_host, "info", "--format", INFO_FORMAT))
     ls = shlex.join(docker_argv(docker_host, "image", "ls", "-aq", "--no-trunc"))
     inspect = shlex.join(docker_argv(docker_host, "image", "inspect", "--format",
                                      "{{.Id}} {{json .RepoTags}} {{json .RootFS.Layers}}"))
-    cmd = f'ids=$({ls}) || exit 3; [ -z "$ids" ] || {inspect} $ids'
+    cmd = f'{info} || exit 3; ids=$({ls}) || exit 3; [ -z "$ids" ] || {inspect} $ids'
     r = s.run(cmd, timeout=INSPECT_TIMEOUT)
     if r.rc != 0:              # 3: the engine does not answer; else an image went away meanwhile: once more
         r = s.run(cmd, timeout=INSPECT_TIMEOUT) if r.rc != 3 else r
     if r.rc != 0:
         raise ShipError(f"its Docker engine ({docker_host}) does not answer: "
                         f"{(r.stderr or r.stdout).strip()[-500:]}", rc=r.rc)
-    ids, tags, layers = set(), {}, []
+    first, _, rest_lines = r.stdout.partition("\n")
+    ids, tags, layers, by_id = set(), {}, [], {}
     dec = json.JSONDecoder()
-    for line in r.stdout.splitlines():
+    for line in rest_lines.splitlines():
         if not line.strip():
             continue
         image_id, rest = line.split(" ", 1)
         repo_tags, end = dec.raw_decode(rest)
         ids.add(image_id)
         tags[image_id] = tuple(repo_tags or ())
-        layers.append(json.loads(rest[end:]) or [])
-    return WorkerImages(frozenset(ids), frozenset(present_chains(layers)), tags)
+        diffs = json.loads(rest[end:]) or []
+        layers.append(diffs)
+        by_id[image_id] = tuple(diffs)
+    return WorkerImages(frozenset(ids), frozenset(present_chains(layers)), tags, by_id, facts_from_line(first))
 
 
-def tag_and_verify(s: "SSHSession", docker_host: str, head: HeadImage) -> None:
-    """Point the worker's tag at the head's image ID and check the tag resolves to that ID (one round trip)."""
-    r = s.run(_sh(docker_argv(docker_host, "tag", head.id, head.name),
-                  docker_argv(docker_host, "image", "inspect", "--format", "{{.Id}}", head.name)),
+def tag_and_verify(s: "SSHSession", docker_host: str, head: HeadImage, image_id: str | None = None) -> None:
+    """Point the worker's tag at its ID for the head's image (IMAGE_ID, default the head's ID) and
+    check the tag resolves to it with the head's layers (one round trip)."""
+    want = image_id or head.id
+    r = s.run(_sh(docker_argv(docker_host, "tag", want, head.name),
+                  docker_argv(docker_host, "image", "inspect", "--format", "{{.Id}} {{json .RootFS.Layers}}",
+                              head.name)),
               timeout=INSPECT_TIMEOUT)
-    got = r.stdout.strip()
-    if r.rc != 0 or got != head.id:
-        raise ShipError(f"verification failed: {head.name} on this worker is {got or '(missing)'}, the head's "
-                        f"is {head.id}" + (f" ({(r.stderr or '').strip()[-300:]})" if r.rc else ""), rc=r.rc or None)
+    got, _, layers = r.stdout.strip().partition(" ")
+    try:
+        same_layers = tuple(json.loads(layers or "null") or ()) == head.diff_ids
+    except ValueError:
+        same_layers = False
+    if r.rc != 0 or got != want or not same_layers:
+        theirs = f"{head.id}" + (f" (config {head.config})" if head.config != head.id else "")
+        raise ShipError(f"verification failed: {head.name} on this worker is {got or '(missing)'}"
+                        + ("" if same_layers or r.rc else " with other layers")
+                        + f", the head's is {theirs}"
+                        + (f" ({(r.stderr or '').strip()[-300:]})" if r.rc else ""), rc=r.rc or None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,7 +334,7 @@ def ship_job(worker: "Host", cluster: "Cluster", key_file: str | None, known_hos
 
 def agent_spec(head: HeadImage, head_host: "Host", sends: dict[str, list[int]], argvs: dict[str, list[str]],
                need_files: list[str], t: Timeouts) -> dict[str, Any]:
-    return {"image_id": head.id, "diff_ids": list(head.diff_ids),
+    return {"image_id": head.id, "diff_ids": list(head.diff_ids), "blob_diffs": head.blob_diffs(),
             "save": docker_argv(head_host, "save", head.id),
             "workers": [{"name": n, "argv": argvs[n], "send": sends[n]} for n in sorted(sends)],
             "need_files": need_files, "stall_s": t.stall_s, "deadline_s": t.deadline_s,
@@ -379,4 +494,6 @@ def outcomes_from(done: dict[str, Any], layer_events: list[dict]) -> dict[str, W
 
 
 def plan_sends(head: HeadImage, have: WorkerImages) -> list[int]:
+    if whole_image_reason(head, have):
+        return list(range(len(head.diff_ids)))
     return layers_to_send(list(head.diff_ids), set(have.chains))

@@ -6,7 +6,9 @@ checks, each run even when an earlier one failed (only a host without SSH skips 
   ssh     reachable, with a known host key
   arch    `uname -m` is the hardware kind's (aarch64 for dgx-spark); inventory `expect_arch` overrides
   docker  `docker -H <docker_host> info` answers (always the inventory's engine, default the standard
-          socket: never a DOCKER_HOST the login sets; executors/docker_cli.py)
+          socket: never a DOCKER_HOST the login sets; executors/docker_cli.py); reports the engine's
+          version and image store (graph driver or containerd), refuses one older than
+          ship/stores.py MIN_VERSION
   gpus    the NVIDIA runtime is in `docker info` Runtimes and `nvidia-smi -L` lists >= gpus GPUs;
           skipped only with the documented opt-out `expect_gpus: false` (hosts without GPUs)
   nvme    free space (df, nearest existing parent) >= the sizing model's NVMe need, counting what
@@ -30,6 +32,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..executors.docker_cli import docker_argv
+from ..ship.stores import facts_from_info
 from ..hardware import KINDS
 from ..inventory import Host
 from ..launch.memgate import mem_available_kib, memgate_verdict
@@ -139,7 +142,11 @@ def docker_runtimes(rc: int, out: str, err: str) -> tuple[Check, list[str] | Non
     if errors or not info.get("ServerVersion"):
         return Check("docker", "failed", f"Docker engine not reachable: {'; '.join(errors) or 'no ServerVersion'}"), None
     runtimes = sorted((info.get("Runtimes") or {}).keys())
-    return Check("docker", "ok", f"Docker {info['ServerVersion']}, runtimes {', '.join(runtimes)}"), runtimes
+    facts = facts_from_info(info)
+    old = facts.too_old()
+    if old:
+        return Check("docker", "failed", old), runtimes
+    return Check("docker", "ok", f"{facts.describe()}, runtimes {', '.join(runtimes)}"), runtimes
 
 
 def check_gpus(runtimes: list[str] | None, smi: tuple[int, str, str] | None, want: int) -> Check:

@@ -67,9 +67,11 @@ def apply(dep, actions, ctx):
 
     head: tr.HeadImage | None = None
     head_error = ""
+    cache_root = str(ctx.run_dir.parent)     # <runs>/image-manifests/: what a manifest digest names
     try:
         with SSHTarget.for_host(head_host, cluster, t.connect_s).connect() as s:
             head = tr.inspect_head(s, image, head_host.docker_host)
+            head = tr.with_manifest(s, head, head_host.docker_host, cache_root)
     except (SSHError, tr.ShipError) as e:
         head_error = f"head {head_host.name}: {e}"
 
@@ -112,22 +114,30 @@ def apply(dep, actions, ctx):
         try:
             if head is None:
                 raise HostFailure(head_error or "the head's image is unknown")
-            log.write(f"{head.name} on {head_host.name} is {head.id} ({len(head.diff_ids)} layers)")
+            log.write(f"{head.name} on {head_host.name} is {head.id} ({len(head.diff_ids)} layers; "
+                      f"{head.engine.describe()}" + (f"; config {head.config}" if head.config != head.id else "")
+                      + ")")
             try:
                 with SSHTarget.for_host(w, cluster, t.connect_s).connect() as s:
                     have = tr.probe_worker(s, w.docker_host)
-                    if head.id in have.image_ids:
+                    log.write(f"{name}: {have.engine.describe()}")
+                    wid = tr.find_image(head, have, lambda i: tr.manifest_of(s, w.docker_host, i, head.arch,
+                                                                             cache_root).config)
+                    if wid:
                         fan.leave(name)
                         joined = True
-                        if not have.tagged(head):
-                            tr.tag_and_verify(s, w.docker_host, head)
+                        if not have.tagged(head, wid):
+                            tr.tag_and_verify(s, w.docker_host, head, wid)
                         progress.update(name, completed=0, status="has it", finished=True)
                         return HostResult(name, "ship", "skipped",
-                                          f"already has {image} ({tr.short(head.id)}): nothing sent",
+                                          f"already has {image} ({tr.short(wid)}): nothing sent",
                                           data=_data(head, [], 0, time.monotonic() - t0, 0.0))
             except tr.ShipError as e:
                 raise HostFailure(f"before the transfer: {e}", rc=e.rc) from None
             send = tr.plan_sends(head, have)
+            whole = tr.whole_image_reason(head, have)
+            if whole:
+                log.write(whole)
             log.write(f"lacks {len(send)} of {len(head.diff_ids)} layers: {send}; "
                       f"{len(head.diff_ids) - len(send)} present")
             log.write(f"the head loads it with the planned command: {jobs[name].shown()}")
@@ -145,7 +155,17 @@ def apply(dep, actions, ctx):
                                   tail=out.tail[-10:])
             try:
                 with SSHTarget.for_host(w, cluster, t.connect_s).connect() as s:
-                    tr.tag_and_verify(s, w.docker_host, head)
+                    wid = head.id
+                    if not have.engine.containerd_store and not head.engine.containerd_store:
+                        pass                   # both name an image by its config: the head's ID
+                    else:                      # the ID the worker's store gave it: asked, not assumed
+                        wid = tr.find_image(head, tr.probe_worker(s, w.docker_host),
+                                            lambda i: tr.manifest_of(s, w.docker_host, i, head.arch,
+                                                                     cache_root).config)
+                        if wid is None:
+                            raise tr.ShipError(f"verification failed: after the load no image on this worker "
+                                               f"has the head's config {head.config}")
+                    tr.tag_and_verify(s, w.docker_host, head, wid)
             except tr.ShipError as e:
                 raise HostFailure(str(e), rc=e.rc) from None
             secs = time.monotonic() - t0
@@ -154,8 +174,9 @@ def apply(dep, actions, ctx):
             return HostResult(name, "ship", "ok",
                               f"sent {len(out.layers_sent)} of {len(head.diff_ids)} layers, "
                               f"{_mb(out.bytes)} in {secs:.1f}s ({data['rate_mb_s']} MB/s), "
-                              f"{data['layers_skipped']} present; image {tr.short(head.id)} verified",
-                              data=data)
+                              f"{data['layers_skipped']} present; image {tr.short(wid)} verified"
+                              + (" (whole image: a legacy archive to a containerd store)" if whole else ""),
+                              data={**data, "whole_image_reason": whole} if whole else data)
         except SSHError as e:
             progress.update(name, status="[red]failed[/red]")
             raise HostFailure(f"SSH from the controller: {e}") from None

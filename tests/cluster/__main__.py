@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--deployment", default=None, help="deployment name in the inventory (default NAME+HOSTS)")
     up.add_argument("--recipe", default=None, help="recipe in the inventory (default by host count)")
     up.add_argument("--images", action="store_true", help="also make the base images and load them on every host")
+    up.add_argument("--engine", default=None,
+                    help="Docker engine per host: 20.10 | 26 | 26-containerd, or HEAD,WORKER,... "
+                         "(the last one repeated); default $DCTL_ENGINE, else 26")
     down = sub.add_parser("down", help="stop and remove everything the cluster's state records")
     down.add_argument("--name", default="local")
     st = sub.add_parser("status", help="list clusters and their hosts")
@@ -31,12 +34,14 @@ def main(argv: list[str] | None = None) -> int:
                                        "(base image on the head, synthetic checkpoint)")
     demo.add_argument("--name", default="local")
     demo.add_argument("--hosts", type=int, default=4)
+    demo.add_argument("--engine", default=None, help="as for up")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "up":
             t0 = time.monotonic()
             with cluster_lock(a.name, timeout=60, log=_log):
-                c = TestCluster.up(a.name, a.hosts, deployment=a.deployment, recipe=a.recipe, log=_log)
+                c = TestCluster.up(a.name, a.hosts, deployment=a.deployment, recipe=a.recipe, log=_log,
+                                   engine=a.engine)
             if a.images:
                 images = ["dctl-busybox:latest", "dctl-debian:bookworm"]
                 ensure_base_images()
@@ -44,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                     for img in images:
                         c.load_image(h, img)
             for h in c.hosts:
-                print(f"{h.name}  ssh -i {c.client_key} -o UserKnownHostsFile={c.known_hosts} "
+                print(f"{h.name}  docker {c.engine_of(h).name:<13}  ssh -i {c.client_key} -o UserKnownHostsFile={c.known_hosts} "
                       f"root@{h.address}   DOCKER_HOST={h.docker_host}")
             _log(f"up in {time.monotonic() - t0:.1f}s")
             print(c.inventory_path)
@@ -65,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                     fab = s['fabric_address'] or 'none'
                     if s['fabric_address'] != s['fabric_planned']:
                         fab += f" (planned {s['fabric_planned']})"
-                    print(f"  {s['host']:<8} {s['address']:<14} link {s['link']:<7} "
+                    print(f"  {s['host']:<8} {s['address']:<14} docker {s['engine']:<13} link {s['link']:<7} "
                           f"sshd {s['sshd'] or '-'!s:<8} dockerd {s['dockerd'] or '-'!s:<8} "
                           f"engine {'ok' if s['docker'] else 'down':<4}  "
                           f"fabric {fab:<17} fab0 {s['fabric_link']:<10} mtu {s['fabric_mtu'] or '-'}"
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                              if s['throttled'] else ""))
         elif a.cmd == "demo":
             from .demo import prepare
-            prepare(a.name, a.hosts, log=_log)
+            prepare(a.name, a.hosts, log=_log, engine=a.engine)
         elif a.cmd == "images":
             print(ensure_base_images() or "cached")
     except ClusterError as e:

@@ -44,6 +44,7 @@ import yaml
 
 from orchestrator.fsutil import atomic_write_text as _write_atomic
 
+from . import engines as _engines
 from .images import LOCAL_ENGINE, copy_image, mounts_under as _mounts_under
 
 STATE_ROOT = Path("/var/lib/deployctl-testcluster")
@@ -494,6 +495,7 @@ class State:
     # mesh_link: {"hosts": [a, b], "ifaces": {a: "mesh<kb>", b: "mesh<ka>"}, "netns": {a: .., b: ..}}
     # (throttle_link's qdiscs live inside the namespaces only and go with them: nothing to record)
     mesh_links: list[dict[str, Any]] = field(default_factory=list)
+    engines: dict[str, str] = field(default_factory=dict)          # host -> engine (tests/cluster/engines.py)
 
     @staticmethod
     def path(name: str) -> Path:
@@ -648,7 +650,8 @@ def _sshd_config(c: "TestCluster", h: TestHost) -> str:
         "PrintMotd no",
         "MaxStartups 200",                       # tests open many connections at once
         "MaxSessions 100",
-        f"SetEnv DOCKER_HOST={h.docker_host}",   # `docker` over SSH talks to this host's own engine
+        # `docker` over SSH talks to this host's own engine, with the CLI of that engine's release
+        f"SetEnv DOCKER_HOST={h.docker_host} PATH={c.engine_of(h).path_env()}",
         "Subsystem sftp internal-sftp",
         "",
     ])
@@ -659,8 +662,13 @@ class TestCluster:
     name: str
     hosts: tuple[TestHost, ...]
     deployment: str
+    engines: tuple[str, ...] = ()      # per host (node1 first); empty: the default engine everywhere
 
     __test__ = False
+
+    def engine_of(self, host: "str | TestHost") -> _engines.Engine:
+        i = self.hosts.index(self.host(host))
+        return _engines.get(self.engines[i] if i < len(self.engines) else _engines.default_name())
 
     # -- paths ---------------------------------------------------------------------------------
     @property
@@ -714,12 +722,17 @@ class TestCluster:
         dep = default_deployment(name, n)
         if inv.exists():
             dep = (yaml.safe_load(inv.read_text()) or {}).get("all", {}).get("vars", {}).get("deployment", dep)
-        return cls(name=name, hosts=plan_hosts(name, n), deployment=dep)
+        hosts = plan_hosts(name, n)
+        engines = tuple(st.engines.get(h.name, "20.10") for h in hosts) if st.engines else ("20.10",) * n
+        return cls(name=name, hosts=hosts, deployment=dep, engines=engines)
 
     # -- lifecycle -----------------------------------------------------------------------------
     @classmethod
     def up(cls, name: str = "local", n_hosts: int = 4, deployment: str | None = None,
-           recipe: str | None = None, log: Callable[[str], None] = lambda m: None) -> "TestCluster":
+           recipe: str | None = None, log: Callable[[str], None] = lambda m: None,
+           engine: "str | list[str] | None" = None) -> "TestCluster":
+        """ENGINE: one engine for every host, or per host 'HEAD,WORKER,...' (tests/cluster/engines.py);
+        default $DCTL_ENGINE, else Docker 26."""
         _check_name(name)
         if os.geteuid() != 0:
             raise ClusterError("the test cluster needs root (network namespaces, mounts)")
@@ -729,9 +742,16 @@ class TestCluster:
             raise ClusterError("/run/containerd/containerd.sock exists: a system containerd runs; "
                                "the test hosts' dockerds need their own (stop it or use another machine)")
         hosts = plan_hosts(name, n_hosts)
+        try:
+            names = _engines.per_host(engine, n_hosts)
+            for e in dict.fromkeys(names):
+                _engines.ensure(_engines.get(e), log)
+        except _engines.EngineError as e:
+            raise ClusterError(str(e)) from None
         _check_subnet_free(name)
         cleanup(name, log)
-        c = cls(name=name, hosts=hosts, deployment=deployment or default_deployment(name, n_hosts))
+        c = cls(name=name, hosts=hosts, deployment=deployment or default_deployment(name, n_hosts),
+                engines=tuple(names))
         try:
             c._create(recipe, log)
         except BaseException:
@@ -756,6 +776,7 @@ class TestCluster:
         st.fabric_bridge = self.fabric_bridge
         st.fabric_subnet = f"10.214.{subnet_index(self.name)}.0/24"
         st.fabric_iptables_rule = _iptables_rule(self.name, self.fabric_bridge, "fabric")
+        st.engines = {h.name: self.engine_of(h).name for h in self.hosts}
         st.save()                       # recorded before anything is made
 
         # keys: one client key, one host key per host
@@ -796,7 +817,7 @@ class TestCluster:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)     # sshd's privilege separation folder
         for h in self.hosts:
             _write_atomic(h.dir / "sshd_config", _sshd_config(self, h))
-            _write_atomic(h.dir / "daemon.json", "{}\n")
+            _write_atomic(h.dir / "daemon.json", self.engine_of(h).daemon_json())
             self._spawn_dockerd(h)
         for h in self.hosts:
             self._spawn_sshd(h)
@@ -823,8 +844,10 @@ class TestCluster:
                 "--host", h.docker_host, "--pidfile", str(h.dir / "dockerd.pid"),
                 "--bridge", "none", "--iptables=false", "--ip-masq=false", "--ip-forward=false",
                 "--shutdown-timeout", "3"]
+        env = {**os.environ, "PATH": self.engine_of(h).path_env()}    # its containerd, the system's runc
         with open(h.dir / "dockerd.log", "ab") as logf:
-            subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
+            subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
+                             env=env)
 
     def _spawn_sshd(self, h: TestHost) -> None:
         pidfile = h.dir / "sshd.pid"
@@ -1067,6 +1090,7 @@ class TestCluster:
             eth0, fab0 = ifaces.get("eth0"), ifaces.get(h.fabric_iface)
             out.append({
                 "host": h.name, "address": h.address, "netns": h.netns if _netns_exists(h.netns) else None,
+                "engine": self.engine_of(h).name,
                 "link": _admin_state(eth0),
                 "sshd": _pid_from_file(h.dir / "sshd.pid", str(h.dir)),
                 "dockerd": _pid_from_file(h.dir / "dockerd.pid", str(h.dir)),

@@ -16,11 +16,14 @@ from .cluster import TestCluster, _write_atomic, cluster_lock, demo_hub_url, ren
 from .images import DEBIAN_IMAGE, ensure_base_images
 
 
-def _healthy(name: str, n: int) -> TestCluster | None:
+def _healthy(name: str, n: int, engine: str | None) -> TestCluster | None:
+    from .engines import per_host
     try:
         c = TestCluster.attach(name)
     except Exception:  # noqa: BLE001 - no state, or a broken one: make it anew
         return None
+    if [c.engine_of(h).name for h in c.hosts] != per_host(engine, n):
+        return None                         # another engine asked for: made anew
     st = c.status()
     if len(st) == n and all(s["link"] == "up" and s.get("fabric_link") == "up" and s["sshd"] and s["dockerd"]
                             and s["docker"] for s in st):
@@ -28,14 +31,15 @@ def _healthy(name: str, n: int) -> TestCluster | None:
     return None
 
 
-def prepare(name: str = "local", n_hosts: int = 4, log: Callable[[str], None] = print) -> TestCluster:
+def prepare(name: str = "local", n_hosts: int = 4, log: Callable[[str], None] = print,
+            engine: str | None = None) -> TestCluster:
     from orchestrator.deployment import load_deployment
     from tests import synth
 
     with cluster_lock(name, timeout=60, log=log):
-        c = _healthy(name, n_hosts)
+        c = _healthy(name, n_hosts, engine)
         if c is None:
-            c = TestCluster.up(name, n_hosts, log=log)
+            c = TestCluster.up(name, n_hosts, log=log, engine=engine)
         else:
             log(f"cluster {name}: all {n_hosts} hosts answer, kept as it is")
     ensure_base_images()
