@@ -1,6 +1,9 @@
-"""Benchmark `deployctl ship` on a 4-host test cluster it brings up itself (and takes down).
+"""Benchmark `deployctl ship` on a 4-host test cluster it brings up itself (and takes down), per engine.
 
-    python3 bench/ship.py [--mb 300] [--name shipbench] [--json]
+    python3 bench/ship.py [--mb 300] [--name shipbench] [--engine 26] [--engine 26-containerd] [--json]
+
+--engine (repeatable; default 20.10, 26 and 26-containerd, one cluster after another): the Docker
+engine of every host (tests/cluster/engines.py), or HEAD,WORKER,... for a mixed cluster.
 
 Builds on the head (node1) an image FROM dctl-busybox with three layers of random data (MB in all)
 and a small patch layer, then measures, in the same run and from empty workers each time:
@@ -122,19 +125,14 @@ def mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mb", type=int, default=300, help="random data in the image's three big layers (MB)")
-    ap.add_argument("--name", default="shipbench", help="test cluster name (its own netns, daemons)")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-
+def run_engine(engine: str, name: str, mb_: int) -> dict:
+    """Every measurement on one fresh 4-host cluster whose hosts run ENGINE."""
     ensure_base_images(debian=False)
-    c = TestCluster.up(a.name, 4)
+    c = TestCluster.up(name, 4, engine=engine)
     try:
         c.load_image("node1", BUSYBOX_IMAGE)
         with tempfile.TemporaryDirectory(prefix="dctl-shipbench-") as tmp:
-            image_id = build(c, Path(tmp), a.mb, b"v1" * 5000)
+            image_id = build(c, Path(tmp), mb_, b"v1" * 5000)
             size = json.loads(docker(c, "node1", "image", "inspect", IMAGE).stdout)[0]["Size"]
             # warm the head's page cache for both contenders alike
             warm = subprocess.run(f"docker -H {c.hosts[0].docker_host} save {image_id} | wc -c", shell=True,
@@ -148,12 +146,12 @@ def main() -> int:
             clear_workers(c)
             full_s, full_bytes, full_hosts = ship(c)
             same_s, same_bytes, same_hosts = ship(c)
-            build(c, Path(tmp), a.mb, os.urandom(10_000))
+            build(c, Path(tmp), mb_, os.urandom(10_000))
             patch_s, patch_bytes, patch_hosts = ship(c)
     finally:
         c.down()
-
-    doc = {
+    return {
+        "engine": engine,
         "image": {"name": IMAGE, "size": size, "save_bytes": save_bytes},
         "baseline_serial_plain_ssh": {"seconds": round(plain_s, 2), "per_worker_s": [round(x, 2) for x in plain_each]},
         "baseline_serial": {"seconds": round(base_s, 2), "per_worker_s": [round(x, 2) for x in base_each],
@@ -166,27 +164,56 @@ def main() -> int:
         "wall_time_ratio_plain_baseline_over_full": round(plain_s / full_s, 2),
         "load_average": os.getloadavg(),
     }
-    if a.json:
-        print(json.dumps(doc, indent=2))
-        return 0
-    print(f"image {IMAGE}: {mb(size)} (docker save stream {mb(save_bytes)}), 3 workers")
+
+
+def report(doc: dict) -> None:
+    size, save_bytes = doc["image"]["size"], doc["image"]["save_bytes"]
+    print(f"\nDocker {doc['engine']}: image {IMAGE}: {mb(size)} (docker save stream {mb(save_bytes)}), 3 workers")
     print(f"{'run':<34}{'wall s':>8}{'head sent':>14}{'workers got':>14}")
-    print(f"{'baseline: plain ssh, serial':<34}{plain_s:>8.1f}")
-    rows = [("baseline: same ssh opts, serial", base_s, base_bytes),
-            ("deployctl ship, full", full_s, full_bytes),
-            ("deployctl ship, unchanged", same_s, same_bytes),
-            ("deployctl ship, patch layer only", patch_s, patch_bytes)]
-    for label, s, b in rows:
-        print(f"{label:<34}{s:>8.1f}{mb(b['head_tx']):>14}{mb(b['workers_rx']):>14}")
-    print(f"baseline per worker: plain {', '.join(f'{x:.1f}s' for x in plain_each)}; "
-          f"same opts {', '.join(f'{x:.1f}s' for x in base_each)}")
+    print(f"{'baseline: plain ssh, serial':<34}{doc['baseline_serial_plain_ssh']['seconds']:>8.1f}")
+    rows = [("baseline: same ssh opts, serial", doc["baseline_serial"]),
+            ("deployctl ship, full", doc["full"]),
+            ("deployctl ship, unchanged", doc["unchanged"]),
+            ("deployctl ship, patch layer only", doc["patch"])]
+    for label, r in rows:
+        print(f"{label:<34}{r['seconds']:>8.1f}{mb(r['bytes']['head_tx']):>14}{mb(r['bytes']['workers_rx']):>14}")
     print(f"wall-time ratio baseline / deployctl full: {doc['wall_time_ratio_baseline_over_full']}x "
           f"(plain-ssh baseline: {doc['wall_time_ratio_plain_baseline_over_full']}x); "
           f"load average {' '.join(f'{x:.1f}' for x in doc['load_average'])} (2 cores shared by all hosts)")
-    print(f"unchanged: {same_bytes['workers_rx']:,} bytes reached the workers (SSH chatter: probes and checks), "
-          f"deployctl reports {sum(h['bytes_sent'] for h in same_hosts.values())} image bytes")
+    same = doc["unchanged"]
+    print(f"unchanged: {same['bytes']['workers_rx']:,} bytes reached the workers (SSH chatter: probes and checks), "
+          f"deployctl reports {sum(h['bytes_sent'] for h in same['deployctl'].values())} image bytes")
     print(f"patch: {doc['patch']['fraction_of_full']:.4%} of the full ship's bytes "
-          f"(deployctl: {', '.join(str(h['bytes_sent']) for h in patch_hosts.values())} bytes per worker)")
+          f"(deployctl: {', '.join(str(h['bytes_sent']) for h in doc['patch']['deployctl'].values())} bytes per worker)")
+
+
+def side_by_side(docs: list[dict]) -> None:
+    """The engines next to each other: wire bytes (veth counters), wall time, ratio to the serial loop."""
+    print("\n| engine | full: workers got | full wall | serial save\\|load wall | baseline / ship "
+          "| unchanged: workers got | patch: workers got | patch / full |")
+    print("|---|---|---|---|---|---|---|---|")
+    for d in docs:
+        print(f"| {d['engine']} | {mb(d['full']['bytes']['workers_rx'])} | {d['full']['seconds']:.1f} s "
+              f"| {d['baseline_serial']['seconds']:.1f} s | {d['wall_time_ratio_baseline_over_full']}x "
+              f"| {d['unchanged']['bytes']['workers_rx'] / 1e3:,.1f} KB | {d['patch']['bytes']['workers_rx'] / 1e3:,.1f} KB "
+              f"| {d['patch']['fraction_of_full']:.3%} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mb", type=int, default=300, help="random data in the image's three big layers (MB)")
+    ap.add_argument("--name", default="shipbench", help="test cluster name (its own netns, daemons)")
+    ap.add_argument("--engine", action="append", default=None,
+                    help="Docker engine of the hosts (repeatable): 20.10 | 26 | 26-containerd | HEAD,WORKER,...")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    docs = [run_engine(e, a.name, a.mb) for e in (a.engine or ["20.10", "26", "26-containerd"])]
+    if a.json:
+        print(json.dumps(docs if len(docs) > 1 else docs[0], indent=2))
+        return 0
+    for d in docs:
+        report(d)
+    side_by_side(docs)
     return 0
 
 

@@ -39,12 +39,20 @@ class Release:
     run_dir: str = ""                             # the run record that made it
     command: str = ""                             # up | launch | rollback
     rollback_of: int | None = None                # a rollback: the release it brought back
+    # host -> that host's image ID, kept only where the hosts' IDs differ: the same image has its
+    # manifest digest as ID on a containerd-store engine, its config digest elsewhere
+    image_ids: dict[str, str] = field(default_factory=dict)
+
+    def image_on(self, host: str) -> str:
+        """The release's image ID in HOST's engine."""
+        return self.image_ids.get(host, self.image_id)
 
     def to_json(self) -> dict[str, Any]:
         return {"number": self.number, "time": self.time, "image_id": self.image_id, "image": self.image,
                 "recipe": self.recipe, "recipe_ref": self.recipe_ref, "overrides": list(self.overrides),
                 "specs": dict(self.specs), "tables": {h: dict(t) for h, t in self.tables.items()},
-                "run_dir": self.run_dir, "command": self.command, "rollback_of": self.rollback_of}
+                "run_dir": self.run_dir, "command": self.command, "rollback_of": self.rollback_of,
+                **({"image_ids": dict(self.image_ids)} if self.image_ids else {})}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Release":
@@ -53,7 +61,7 @@ class Release:
                    recipe_ref=d.get("recipe_ref"), overrides=tuple(d.get("overrides") or ()),
                    specs=dict(d.get("specs") or {}), tables={h: dict(t) for h, t in (d.get("tables") or {}).items()},
                    run_dir=str(d.get("run_dir", "")), command=str(d.get("command", "")),
-                   rollback_of=d.get("rollback_of"))
+                   rollback_of=d.get("rollback_of"), image_ids=dict(d.get("image_ids") or {}))
 
     def describe(self) -> str:
         what = f"rollback of {self.rollback_of}" if self.rollback_of is not None else self.command
@@ -111,10 +119,11 @@ def previous(history: list[Release]) -> Release | None:
     return history[-2] if len(history) >= 2 else None
 
 
-def is_new(history: list[Release], image_id: str, specs: dict[str, str]) -> bool:
+def is_new(history: list[Release], image_id: str, specs: dict[str, str],
+           image_ids: dict[str, str] | None = None) -> bool:
     """Whether what runs now differs from the current release (a no-op `up` adds no release)."""
     cur = current(history)
-    return cur is None or cur.image_id != image_id or cur.specs != specs
+    return cur is None or cur.image_id != image_id or cur.specs != specs or cur.image_ids != (image_ids or {})
 
 
 def next_number(history: list[Release]) -> int:

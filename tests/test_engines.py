@@ -185,3 +185,16 @@ def test_up_noop_status_logs_down_on_every_engine(engines):
     for h in c.hosts:
         r = docker(c, h.name, "ps", "-aq", "--filter", "label=deployctl.deployment=" + c.deployment)
         assert r.returncode == 0 and r.stdout.split() == [], (h.name, r.stdout)
+
+
+def test_engine_per_host_from_the_command_line():
+    from tests.cluster import engines as e
+    assert e.per_host("26-containerd,20.10", 4) == ["26-containerd", "20.10", "20.10", "20.10"]
+    assert e.per_host("20.10", 2) == ["20.10", "20.10"]
+    assert e.per_host(None, 1) == [e.default_name()]
+    with pytest.raises(e.EngineError, match="unknown engine '27'"):
+        e.per_host("26,27", 3)
+    cd = e.get("26-containerd")
+    assert '"containerd-snapshotter": true' in cd.daemon_json() and e.get("26").daemon_json() == "{}\n"
+    assert cd.path_env().startswith(str(e.CACHE / "docker-26" / "bin") + ":")
+    assert e.get("20.10").path_env().startswith("/usr/local/sbin:")

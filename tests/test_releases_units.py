@@ -26,6 +26,19 @@ def test_numbering_and_no_op():
     assert rel.is_new([], "sha256:" + "b" * 64, {})
 
 
+def test_one_image_under_each_image_stores_own_id():
+    """A cluster mixing image stores runs one image under two IDs (manifest digest on the containerd
+    store, config digest elsewhere): the release keeps each host's, pins with it, and compares them."""
+    cd, cfg = "sha256:" + "d" * 64, "sha256:" + "c" * 64
+    ids = {"spark1": cd, "spark2": cfg}
+    r = _r(1, cd, specs={"spark1": "s1", "spark2": "s2"}, image_ids=ids)
+    assert r.image_on("spark2") == cfg and r.image_on("spark1") == cd and _r(2).image_on("spark2") == _r(2).image_id
+    assert rel.parse(rel.dump("spark4", [r])) == [r]
+    assert "image_ids" not in _r(2).to_json()                      # a one-store cluster's record is unchanged
+    assert not rel.is_new([r], cd, {"spark1": "s1", "spark2": "s2"}, ids)
+    assert rel.is_new([r], cd, {"spark1": "s1", "spark2": "s2"}, {**ids, "spark2": "sha256:" + "e" * 64})
+
+
 def test_the_last_k_are_kept_and_older_released():
     h = [_r(n) for n in range(1, 6)]
     assert [r.number for r in rel.kept(h, 3)] == [3, 4, 5]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import releases as rel
@@ -86,9 +87,28 @@ def read_running(dep: "Deployment", shells: Shells) -> dict[str, Running]:
 
 
 def matches(release: rel.Release | None, running: dict[str, Running]) -> bool:
-    """Whether every host runs RELEASE (its image ID and each host's spec)."""
-    return (release is not None and {r.image_id for r in running.values()} == {release.image_id}
+    """Whether every host runs RELEASE (its image ID there and that host's spec)."""
+    return (release is not None and all(r.image_id == release.image_on(h) for h, r in running.items())
             and {h: r.spec for h, r in running.items()} == release.specs)
+
+
+def same_image(dep: "Deployment", shells: Shells, ids: dict[str, str], cache_root: str) -> bool:
+    """Whether the hosts' image IDs name one image: compared by config digest, the identity every
+    image store keeps (a graph-driver store's ID; read from the manifest on a containerd store)."""
+    from ..ship.stores import INFO_FORMAT, facts_from_line
+    from ..ship.transfer import ShipError, manifest_of
+
+    def config(host: str) -> str:
+        sh, h = shells[host], dep.cluster.host(host)
+        r = sh.run(sh.docker("info", "--format", INFO_FORMAT), timeout=TIMEOUT_S)
+        if r.rc != 0 or not facts_from_line(r.stdout).containerd_store:
+            return ids[host]
+        return manifest_of(sh, h.docker_host, ids[host], "", cache_root).config
+    try:
+        res = parallel(sorted(ids), config)
+    except ShipError:
+        return False
+    return not res.failed and len(set(res.ok.values())) == 1
 
 
 def record(dep: "Deployment", shells: Shells, *, command: str, run_dir: str, recipe_ref: str | None,
@@ -99,15 +119,20 @@ def record(dep: "Deployment", shells: Shells, *, command: str, run_dir: str, rec
     Returns (the new release or None, the current release, notes about pins not set or not removed)."""
     head = shells[dep.cluster.head]
     running = read_running(dep, shells)
-    ids = {r.image_id for r in running.values()}
-    if len(ids) != 1:
-        raise HostFailure(f"the hosts run different images: {sorted(rel.short_id(i) for i in ids)}")
-    (image_id,) = ids
+    by_host = {h: r.image_id for h, r in running.items()}
+    image_id = by_host[dep.cluster.head]
+    image_ids: dict[str, str] = {}
+    if len(set(by_host.values())) != 1:
+        # one image has other IDs in other image stores (docs/docker-engines.md): the same config?
+        if not same_image(dep, shells, by_host, str(Path(run_dir).parent)):
+            raise HostFailure("the hosts run different images: " + ", ".join(
+                f"{h} {rel.short_id(i)}" for h, i in sorted(by_host.items())))
+        image_ids = by_host
     specs = {h: r.spec for h, r in running.items()}
     history = read_history(dep, head)
     new = None
-    if rel.is_new(history, image_id, specs):
-        new = rel.Release(number=rel.next_number(history), time=time.time(), image_id=image_id,
+    if rel.is_new(history, image_id, specs, image_ids):
+        new = rel.Release(number=rel.next_number(history), time=time.time(), image_id=image_id, image_ids=image_ids,
                           image=dep.recipe.engine.image, recipe=dep.recipe.name, recipe_ref=recipe_ref,
                           overrides=tuple(mask_override(o) for o in overrides), specs=specs,
                           tables={h: r.tables for h, r in running.items() if r.tables},
@@ -130,7 +155,7 @@ def pin(dep: "Deployment", shells: Shells, history: list[rel.Release]) -> list[s
     def one(name: str) -> list[str]:
         sh, notes = shells[name], []
         for r in keep:
-            why = _pin_one(sh, dep.name, r)
+            why = _pin_one(sh, dep.name, r, r.image_on(name))
             if why:
                 notes.append(f"{name}: release {r.number} not pinned ({why})")
         for r in drop:
@@ -143,13 +168,13 @@ def pin(dep: "Deployment", shells: Shells, history: list[rel.Release]) -> list[s
                                                               for n, e in res.failed.items()]
 
 
-def _pin_one(sh: HostShell, deployment: str, r: rel.Release) -> str:
+def _pin_one(sh: HostShell, deployment: str, r: rel.Release, image_id: str) -> str:
     tag, holder = rel.pin_tag(deployment, r.number), rel.holder_name(deployment, r.number)
-    res = sh.run(sh.docker("tag", r.image_id, tag), timeout=TIMEOUT_S)
+    res = sh.run(sh.docker("tag", image_id, tag), timeout=TIMEOUT_S)
     if res.rc != 0:
         return res.stderr.strip()[-200:]
     res = sh.run(sh.docker("container", "inspect", "--format", "{{.Image}}", holder), timeout=TIMEOUT_S)
-    if res.rc == 0 and res.stdout.strip() == r.image_id:
+    if res.rc == 0 and res.stdout.strip() == image_id:
         return ""
     if res.rc == 0:          # a holder of another image under this name: not ours to keep
         sh.run(sh.docker("rm", "-f", holder), timeout=TIMEOUT_S)

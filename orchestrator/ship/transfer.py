@@ -20,6 +20,7 @@ from ..signals import describe_exit, exit_text
 from .stores import INFO_FORMAT, EngineFacts, facts_from_line
 
 if TYPE_CHECKING:
+    from ..executors.shells import HostShell
     from ..executors.ssh import SSHSession
     from ..inventory import Cluster, Host
 
@@ -131,7 +132,7 @@ def with_manifest(s: "SSHSession", head: HeadImage, docker_host: str, cache_root
     return replace(head, manifest=m)
 
 
-def manifest_of(s: "SSHSession", docker_host: str, image_id: str, arch: str, cache_root: str | None,
+def manifest_of(s: "SSHSession | HostShell", docker_host: str, image_id: str, arch: str, cache_root: str | None,
                 timeout: float = 1800.0) -> Manifest:
     """IMAGE_ID's manifest on a containerd-store engine, read out of its `docker save` on that host
     (hostside/image_manifest.py). Kept in <cache_root>/image-manifests/<hex>.json: a manifest digest
@@ -147,7 +148,7 @@ def manifest_of(s: "SSHSession", docker_host: str, image_id: str, arch: str, cac
     program = ((HOSTSIDE / "image_layers.py").read_text() + "\n\n# ---- image_manifest.py ----\n"
                + (HOSTSIDE / "image_manifest.py").read_text().replace("from __future__ import annotations\n", ""))
     spec = {"save": docker_argv(docker_host, "save", image_id), "image_id": image_id, "arch": arch}
-    r = s.run(shlex.join(["python3", "-c", program, json.dumps(spec)]), timeout=timeout)
+    r = s.run(["python3", "-c", program, json.dumps(spec)], timeout=timeout)
     try:
         doc = json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
