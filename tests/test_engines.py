@@ -137,6 +137,26 @@ def test_ship_bytes_on_every_engine(engines, tmp_path):
                        f"re-ship 0 B  patch {d['bytes_sent']:>9,} B ({d['bytes_sent'] / full[w]:.2%})"
                        + ("  whole image" if whole else ""))
     print("\n" + "\n".join(f for f in FIGURES if f.startswith(key)))
+    if key.startswith("mixed"):
+        one_image_under_several_ids(c, tmp_path)
+
+
+def one_image_under_several_ids(c: TestCluster, tmp_path: Path) -> None:
+    """What releases rely on in a cluster mixing image stores: the hosts' IDs of the shipped image
+    differ, and release_store.same_image tells one image (same config) from two."""
+    from orchestrator.deployment import load_deployment
+    from orchestrator.executors.shells import Shells
+    from orchestrator.launch.release_store import same_image
+    dep = load_deployment(c.inventory_path)
+    ids = {h.name: inspect(c, h.name, SMALL)["Id"] for h in c.hosts}
+    assert len(set(ids.values())) > 1, ids
+    with Shells(dep.cluster) as shells:
+        assert same_image(dep, shells, ids, str(tmp_path))
+        for h in c.hosts[1:]:        # another image on one host, whatever its store: not the same image
+            others = [i for i in docker(c, h.name, "image", "ls", "-aq", "--no-trunc").stdout.split()
+                      if i != ids[h.name]]
+            assert others, h.name
+            assert not same_image(dep, shells, {**ids, h.name: others[0]}, str(tmp_path)), h.name
 
 
 @pytest.mark.parametrize("engines", ["20.10", "26-containerd"], indirect=True)
