@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,11 +47,39 @@ def expected_row(name: str, row: int, width: int) -> bytes:
                                                                   (row % BLOCK_ROWS + 1) * width]
 
 
+SPACE_MARGIN = 2 << 30      # left free after a synthetic checkpoint: the tests and the engines need room too
+
+
+class SpaceError(RuntimeError):
+    """Not enough free space for a synthetic checkpoint: refused before a byte is written."""
+
+
+def checkpoint_bytes(tensors: list[TensorPlan]) -> int:
+    """What write_checkpoint will write for TENSORS (data; headers and the index are a few KB)."""
+    return sum(t.rows * t.width for t in tensors)
+
+
+def check_space(folder: str | Path, tensors: list[TensorPlan], what: str = "a synthetic checkpoint") -> None:
+    """Refuse, naming the size, when FOLDER's filesystem cannot take TENSORS plus SPACE_MARGIN."""
+    need = checkpoint_bytes(tensors)
+    probe = Path(folder)
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if need + SPACE_MARGIN > free:
+        raise SpaceError(f"{what} of {need / 1e9:.1f} GB does not fit in {folder}: {free / 1e9:.1f} GB free on "
+                         f"its filesystem, {(need + SPACE_MARGIN) / 1e9:.1f} GB needed with a "
+                         f"{SPACE_MARGIN >> 30} GiB margin (scale the recipe down with recipe_overrides / --set, "
+                         f"or free space)")
+
+
 def write_checkpoint(folder: str | Path, tensors: list[TensorPlan], files: int = 3,
                      extra: dict[str, bytes] | None = None, config: dict | None = None) -> Path:
     """Write `tensors` round-robin over `files` safetensors files plus the index json and
-    config.json (`config`, default a placeholder)."""
+    config.json (`config`, default a placeholder). Refuses (SpaceError) before writing anything when
+    the filesystem cannot take it."""
     folder = Path(folder)
+    check_space(folder, tensors)
     folder.mkdir(parents=True, exist_ok=True)
     groups: list[list[TensorPlan]] = [[] for _ in range(max(1, files))]
     for i, t in enumerate(tensors):

@@ -147,3 +147,17 @@ def test_checked_in_inventory_is_what_up_generates(file, name, n):
     generated = yaml.safe_load(render_inventory(name, hosts, hub=demo_hub_url(hosts)))
     assert checked_in == generated, (f"inventories/{file} differs from what "
                                      f"`python -m tests.cluster demo --hosts {n} --name {name}` writes; regenerate it")
+
+
+def test_a_synthetic_checkpoint_that_cannot_fit_is_refused_before_a_byte_is_written(tmp_path):
+    from tests import synth
+    huge = [synth.TensorPlan("model.engram.0.weight", "BF16", 1 << 40, 1 << 10)]     # 1 PiB
+    folder = tmp_path / "ckpt" / "deep"
+    with pytest.raises(synth.SpaceError) as e:
+        synth.write_checkpoint(folder, huge)
+    assert "1125899.9 GB does not fit in" in str(e.value) and str(folder) in str(e.value)
+    assert not (tmp_path / "ckpt").exists()                     # nothing made
+    small = [synth.TensorPlan("model.embed_tokens.weight", "BF16", 16, 512)]
+    assert synth.checkpoint_bytes(small) == 8192
+    synth.write_checkpoint(folder, small)
+    assert (folder / "model.safetensors.index.json").exists()

@@ -7,6 +7,7 @@ import time
 
 from .cluster import ClusterError, TestCluster, cleanup, cluster_lock, list_clusters
 from .images import ensure_base_images
+from ..synth import SpaceError
 
 
 def _log(msg: str) -> None:
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare(a.name, a.hosts, log=_log, engine=a.engine)
         elif a.cmd == "images":
             print(ensure_base_images() or "cached")
-    except ClusterError as e:
+    except (ClusterError, SpaceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -199,19 +199,23 @@ SCALED_OVERRIDES: dict[str, dict[str, Any]] = {
         "health.startup_timeout_s": 180,
         "health.poll_interval_s": 1,
     },
-    "qwen38-flash-next-spark": {
-        "model.repo": "deployctl-demo/Qwen3.8-Flash-Next-scaled",
-        "model.checkpoint_gb": 0.2,
-        "ple.geometry.vocab_per_order": [20000, 20000],
-        "ple.shards": 8,
-        "ple.split_ngram_parts": 8,          # the synthetic config.json says so (tests/synth.py)
-        "engine.image": "dctl-engine:test",
-        "engine.chain": "test-double",
-        "engine.shm_size": "1g",
-        "engine.env.DOUBLE_LOAD_S": "2",
-        "health.startup_timeout_s": 180,
-        "health.poll_interval_s": 1,
-    },
+}
+# TP=8 on 8 test hosts: the TP=4 scaling (each rank then holds 3 of the 24 sub-tables per layer)
+for _name in ("deepseek-v41-flash-tp8-nvme", "deepseek-v41-flash-tp8-mem"):
+    SCALED_OVERRIDES[_name] = {**SCALED_OVERRIDES["deepseek-v41-flash-tp4"],
+                               "model.repo": "deployctl-demo/DeepSeek-V4.1-Flash-scaled-tp8"}
+SCALED_OVERRIDES["qwen38-flash-next-spark"] = {
+    "model.repo": "deployctl-demo/Qwen3.8-Flash-Next-scaled",
+    "model.checkpoint_gb": 0.2,
+    "ple.geometry.vocab_per_order": [20000, 20000],
+    "ple.shards": 8,
+    "ple.split_ngram_parts": 8,          # the synthetic config.json says so (tests/synth.py)
+    "engine.image": "dctl-engine:test",
+    "engine.chain": "test-double",
+    "engine.shm_size": "1g",
+    "engine.env.DOUBLE_LOAD_S": "2",
+    "health.startup_timeout_s": 180,
+    "health.poll_interval_s": 1,
 }
 
 

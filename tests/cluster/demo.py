@@ -54,6 +54,8 @@ def prepare(name: str = "local", n_hosts: int = 4, log: Callable[[str], None] = 
     config = synth.recipe_config(dep.recipe)
     want = json.dumps([[t.__dict__ for t in tensors], config], sort_keys=True)
     if not (marker.exists() and marker.read_text() == want):
+        log(f"writing a synthetic checkpoint of {synth.checkpoint_bytes(tensors) / 1e9:.2f} GB for "
+            f"{dep.recipe.name} (free space checked first)")
         synth.write_checkpoint(folder, tensors, config=config)
         marker.write_text(want)
         log(f"wrote a synthetic checkpoint for {dep.recipe.name} to {folder}")
