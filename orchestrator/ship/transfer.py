@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import shlex
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..executors.docker_cli import docker_argv
+from ..fsutil import atomic_write_text
 from ..hostside.image_layers import layers_to_send, present_chains
 from ..signals import describe_exit, exit_text
 from .stores import INFO_FORMAT, EngineFacts, facts_from_line
@@ -128,7 +129,6 @@ def with_manifest(s: "SSHSession", head: HeadImage, docker_host: str, cache_root
     if len(m.layers) != len(head.diff_ids):
         raise ShipError(f"the manifest of {head.name} lists {len(m.layers)} layers, its config "
                         f"{len(head.diff_ids)}: not shipping an image that does not add up")
-    from dataclasses import replace
     return replace(head, manifest=m)
 
 
@@ -145,10 +145,8 @@ def manifest_of(s: "SSHSession | HostShell", docker_host: str, image_id: str, ar
             return Manifest(doc["manifest"], doc["config"], tuple(doc["layers"]))
         except (OSError, ValueError, KeyError):
             pass
-    program = ((HOSTSIDE / "image_layers.py").read_text() + "\n\n# ---- image_manifest.py ----\n"
-               + (HOSTSIDE / "image_manifest.py").read_text().replace("from __future__ import annotations\n", ""))
     spec = {"save": docker_argv(docker_host, "save", image_id), "image_id": image_id, "arch": arch}
-    r = s.run(["python3", "-c", program, json.dumps(spec)], timeout=timeout)
+    r = s.run(["python3", "-c", with_layers("image_manifest.py"), json.dumps(spec)], timeout=timeout)
     try:
         doc = json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -157,7 +155,6 @@ def manifest_of(s: "SSHSession | HostShell", docker_host: str, image_id: str, ar
         raise ShipError(f"cannot read the manifest of {short(image_id)}: {doc.get('error', 'no config')}", rc=r.rc)
     m = Manifest(doc["manifest"], doc["config"], tuple(doc["layers"]))
     if path is not None:
-        from ..fsutil import atomic_write_text
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(doc) + "\n")
     return m
@@ -281,11 +278,15 @@ def tag_and_verify(s: "SSHSession", docker_host: str, head: HeadImage, image_id:
 # --------------------------------------------------------------------------------------------------
 # The agent
 
-def agent_program() -> str:
-    """agent.py with layers.py before it: one standard-library program for `python3 -c`."""
+def with_layers(program: str) -> str:
+    """hostside/PROGRAM with image_layers.py before it: one standard-library program for `python3 -c`."""
     layers = (HOSTSIDE / "image_layers.py").read_text()
-    agent = (HOSTSIDE / "ship_agent.py").read_text().replace("from __future__ import annotations\n", "")
-    return layers + "\n\n# ---- agent.py ----\n" + agent
+    body = (HOSTSIDE / program).read_text().replace("from __future__ import annotations\n", "")
+    return layers + f"\n\n# ---- {program} ----\n" + body
+
+
+def agent_program() -> str:
+    return with_layers("ship_agent.py")
 
 
 def worker_ssh_argv(worker: "Host", cluster: "Cluster", key_file: str | None, known_hosts: str | None,

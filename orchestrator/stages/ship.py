@@ -106,6 +106,11 @@ def apply(dep, actions, ctx):
 
     fan = tr.Fanout({a.host for a in actions}, transfer)
 
+    def config_reader(s, w):
+        """The config digest of an image ID in worker W's engine (its manifest, on a containerd store)."""
+        assert head is not None
+        return lambda image_id: tr.manifest_of(s, w.docker_host, image_id, head.arch, cache_root).config
+
     def one(action: Action, log) -> HostResult:
         t0 = time.monotonic()
         name = action.host
@@ -121,8 +126,7 @@ def apply(dep, actions, ctx):
                 with SSHTarget.for_host(w, cluster, t.connect_s).connect() as s:
                     have = tr.probe_worker(s, w.docker_host)
                     log.write(f"{name}: {have.engine.describe()}")
-                    wid = tr.find_image(head, have, lambda i: tr.manifest_of(s, w.docker_host, i, head.arch,
-                                                                             cache_root).config)
+                    wid = tr.find_image(head, have, config_reader(s, w))
                     if wid:
                         fan.leave(name)
                         joined = True
@@ -155,13 +159,10 @@ def apply(dep, actions, ctx):
                                   tail=out.tail[-10:])
             try:
                 with SSHTarget.for_host(w, cluster, t.connect_s).connect() as s:
-                    wid = head.id
-                    if not have.engine.containerd_store and not head.engine.containerd_store:
-                        pass                   # both name an image by its config: the head's ID
-                    else:                      # the ID the worker's store gave it: asked, not assumed
-                        wid = tr.find_image(head, tr.probe_worker(s, w.docker_host),
-                                            lambda i: tr.manifest_of(s, w.docker_host, i, head.arch,
-                                                                     cache_root).config)
+                    wid = head.id              # both graph-driver stores: an image is named by its config
+                    if have.engine.containerd_store or head.engine.containerd_store:
+                        # the ID the worker's store gave it: asked, not assumed
+                        wid = tr.find_image(head, tr.probe_worker(s, w.docker_host), config_reader(s, w))
                         if wid is None:
                             raise tr.ShipError(f"verification failed: after the load no image on this worker "
                                                f"has the head's config {head.config}")
