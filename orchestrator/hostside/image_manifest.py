@@ -9,6 +9,11 @@ layers: this reads the stream, keeps only small JSON blobs, and stops `docker sa
 image ID resolves to a manifest (on average after half the blobs; the controller keeps the answer,
 which a digest never changes: orchestrator/ship/transfer.py manifest_of).
 
+Formats relied on: the OCI image layout and its index and manifest documents (opencontainers/image-spec
+image-layout.md, image-index.md, manifest.md); Docker 25+ writes `docker save` in that layout (moby
+v25.0.0 release notes) and lists an image saved by ID in index.json from 25.0.3 (moby/moby#47294), the
+fallback used when the ID names no manifest blob.
+
 SPEC (argv[1], JSON): save (argv), image_id, arch (the GOARCH to prefer in an index).
 Prints one JSON line: {"manifest", "config", "layers": [blob digest...]} or {"error"}.
 """
