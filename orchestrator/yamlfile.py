@@ -8,6 +8,10 @@ import yaml
 
 from .errors import InputError
 
+# libyaml's loader when PyYAML was built with it (the wheels are): the same documents, 5-10x faster,
+# which a run's recipes, chains and inventory notice. The pure-Python one otherwise.
+SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 
 class Loaded(dict):
     """A mapping loaded from a file, with `lines[key.path] = line number`."""
@@ -29,8 +33,8 @@ def load(path: str | Path) -> Loaded:
 
 def loads(text: str, file: str) -> Loaded:
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=SafeLoader)
+        data = yaml.load(text, Loader=SafeLoader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark else None

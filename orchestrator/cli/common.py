@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 
 from ..errors import DeployctlError
+from ..executors.ssh_pool import shared_connections
 from ..secrets import mask_data, mask_text
 
 
@@ -51,11 +52,13 @@ def deployment_options(f: Callable) -> Callable:
 
 
 def handle_errors(f: Callable) -> Callable:
-    """DeployctlError -> message on stderr and its exit code (2 bad input, 1 failure)."""
+    """DeployctlError -> message on stderr and its exit code (2 bad input, 1 failure).
+    The command runs in one shared-connection scope: one SSH connection per host (executors/ssh_pool.py)."""
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return f(*args, **kwargs)
+            with shared_connections():
+                return f(*args, **kwargs)
         except DeployctlError as e:
             STDERR.print(f"[red]error:[/red] {e}", markup=True, highlight=False, soft_wrap=True)
             sys.exit(e.exit_code)

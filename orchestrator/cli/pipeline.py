@@ -9,6 +9,8 @@ from typing import Callable
 
 from ..deployment import Deployment, load_deployment
 from ..errors import DeployctlError
+from ..executors.ssh import SSHTarget
+from ..executors.ssh_pool import connections_opened, warm_up
 from ..outcomes import HostResult, run_per_host
 from ..plan import Action
 from ..modelfetch.resolve import for_run as resolve_checkpoint
@@ -51,6 +53,16 @@ def changes_hosts(stages: tuple[str, ...], options: RunOptions) -> bool:
     return bool(changing)
 
 
+def hosts_touched(plan, options: RunOptions, lock: bool) -> list[str]:
+    """The hosts a run of PLAN talks to (the head too when it takes the lock), in inventory order;
+    a --local build talks to none."""
+    names = {a.host for sp in plan.stages for a in sp.actions if not (sp.name == "build" and options.local)}
+    cluster = plan.deployment.cluster
+    if lock:
+        names.add(cluster.head_host.name)
+    return [h.name for h in cluster.hosts if h.name in names]
+
+
 RECORDS = frozenset({"up", "launch", "rollback"})    # commands whose healthy launch is a release
 ROLLBACK_STAGES = ("ship", "launch", "health")      # what brings a release back (only missing layers shipped)
 
@@ -68,12 +80,14 @@ def run_stages(*, command: str, inventory: str | None, recipe: str | None, sets:
     dep = load_deployment(inventory, recipe, sets)
     stages = select(only, skip)
     plan = build_plan(dep, only=only, skip=skip, options=options)   # bad input is refused before any host
+    if lock is None:
+        lock = changes_hosts(stages, options or RunOptions())
+    warm_up([SSHTarget.for_host(dep.cluster.host(h), dep.cluster)
+             for h in hosts_touched(plan, options or RunOptions(), lock)])
     # the commit this run uses, once (a branch that moves mid-run changes nothing), then the plan with it
     resolved = resolve_checkpoint(dep, stages, rehash=bool(options and options.fetch_rehash))
     if resolved is not dep:
         dep, plan = resolved, build_plan(resolved, only=only, skip=skip, options=options)
-    if lock is None:
-        lock = changes_hosts(stages, options or RunOptions())
     out = dict(as_json=as_json, verbose=verbose, quiet=quiet)
     rolled = None
     with _head_lock(dep, command, lock):
@@ -82,6 +96,7 @@ def run_stages(*, command: str, inventory: str | None, recipe: str | None, sets:
         if rollback_on_failure and outcome.exit_code == 1:
             rolled = _roll_back(dep, outcome, inventory, sets, ctx, **out)
             doc["rollback"] = rolled
+    doc["ssh_connections"] = connections_opened()      # one per host the run touched (executors/ssh_pool.py)
     if as_json:
         emit_json(doc)
     if outcome.error:

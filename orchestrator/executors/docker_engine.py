@@ -118,11 +118,13 @@ class _TunnelAdapter(SSHHTTPAdapter):
             return t
 
     def get_connection(self, url, proxies=None):
+        # One pool for the adapter's one engine. requests hands over the whole request URL here,
+        # so pools keyed by it (as docker-py's adapter does) would dial a new channel for each path.
         with self.pools.lock:
-            pool = self.pools.get(url)
+            pool = self.pools.get("engine")
             if pool is None:
                 pool = _DialStdioPool(self, self.timeout, self.max_pool_size)
-                self.pools[url] = pool
+                self.pools["engine"] = pool
             return pool
 
     def close(self):

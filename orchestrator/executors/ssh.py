@@ -125,6 +125,10 @@ class SSHTarget:
                    check_host_keys=cluster.host_key_checking, connect_timeout=connect_timeout)
 
     def connect(self) -> "SSHSession":
+        """A session to the target: inside a shared-connection scope (executors/ssh_pool.py) the
+        scope's connection to this host, else a connection of its own; close it either way."""
+        if _shared is not None:
+            return _shared(self)
         return SSHSession(self)
 
     def run(self, argv: Sequence[str] | str, timeout: float = 60.0, stdin: bytes | str | None = None,
@@ -141,11 +145,27 @@ class SSHTarget:
             s.get_file(remote, local, timeout=timeout)
 
 
-class SSHSession:
-    """One authenticated SSH connection to a target; use as a context manager."""
+# Set by executors/ssh_pool.py while a scope shares one connection per host (this module stays a leaf).
+_shared: Callable[[SSHTarget], "SSHSession"] | None = None
 
-    def __init__(self, target: SSHTarget):
+# What runs a whole-output command instead of a channel of its own (command_line, the argv when
+# the caller gave a list, stdin, env, timeout) -> Result, or None to use a channel; executors/ssh_pool.py sets one on shared sessions.
+CommandRunner = Callable[[str, "list[str] | None", bytes, "dict[str, str] | None", float], "Result | None"]
+
+
+def use_shared(source: Callable[[SSHTarget], "SSHSession"] | None) -> None:
+    global _shared
+    _shared = source
+
+
+class SSHSession:
+    """One authenticated SSH connection to a target; use as a context manager.
+    A shared session (the scope's, see SSHTarget.connect) ignores close(); its scope closes it."""
+
+    def __init__(self, target: SSHTarget, shared: bool = False):
         self.target = target
+        self.shared = shared
+        self.runner: CommandRunner | None = None
         self.client = paramiko.SSHClient()
         t = target
         known: Path | None = None
@@ -195,6 +215,10 @@ class SSHSession:
         assert transport is not None
         # Keepalives make a connection over a cut link fail instead of waiting on TCP forever.
         transport.set_keepalive(5)
+        # Small requests and replies: without this each channel open waits out a delayed ACK (~40 ms).
+        sock = transport.sock
+        if isinstance(sock, socket.socket):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.transport = transport
 
     def __enter__(self) -> "SSHSession":
@@ -204,6 +228,10 @@ class SSHSession:
         self.close()
 
     def close(self) -> None:
+        if not self.shared:
+            self.client.close()
+
+    def close_connection(self) -> None:
         self.client.close()
 
     # -- commands ------------------------------------------------------------------------------
@@ -220,10 +248,19 @@ class SSHSession:
             raise kind(t.host, f"cannot start command `{cmd}` (link down or host wedged?): {e}") from None
         return ch
 
+    def channel_for(self, argv: Sequence[str] | str) -> paramiko.Channel:
+        """A channel running ARGV (quoted as in run()), for a caller speaking its own protocol."""
+        return self._channel(command_line(argv), None)
+
     def run(self, argv: Sequence[str] | str, timeout: float = 60.0, stdin: bytes | str | None = None,
             env: dict[str, str] | None = None) -> Result:
         """Run a command; its output is returned whole (use open_exec for large streams)."""
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+        if self.runner is not None:
+            r = self.runner(command_line(argv), None if isinstance(argv, str) else [str(a) for a in argv],
+                            data, env, timeout)
+            if r is not None:
+                return r
         deadline = time.monotonic() + timeout
         with self.open_exec(argv, idle_timeout=timeout, env=env, keep=None) as ex:
             try:
