@@ -40,12 +40,17 @@ def test_the_builder_always_passes_the_engine():
     assert docker_sh("unix:///a;b $(x).sock", "load") == "docker -H 'unix:///a;b $(x).sock' load"
     # launch's shell scripts: the engine is in the script quoted, every other value is "$N"
     bad = "unix:///a'b;$(touch /tmp/x).sock"
-    for argv in (list_argv(bad, "d"), logs_argv(bad, "c", 5, follow=True),
-                 read_argv(bad, "d", "img", "", "f", "s", "/e", "/p")):
+    for argv in (list_argv(bad, "d"), logs_argv(bad, "c", 5, follow=True)):
         assert argv[:2] == ["sh", "-c"] and bad not in argv
         assert all(m == shlex.quote(bad) for m in re.findall(r"docker -H ('[^']*'(?:\"'\"'[^']*')*)",
                                                               argv[2]))
         assert len(DOCKER_WORD.findall(argv[2])) == len(re.findall(r"docker -H ", argv[2])) > 0
+    # what launch reads: no shell at all, the docker argv lists as JSON for hostside/host_read.py
+    argv = read_argv(bad, "d", "img", "", "f", "s", "/e", "/p")
+    assert argv[:2] == ["python3", "-c"] and len(argv) == 4
+    spec = json.loads(argv[3])
+    assert [spec[k][:3] for k in ("image_inspect", "ps", "inspect")] == [["docker", "-H", bad]] * 3
+    assert spec["image_inspect"][-1] == "img" and spec["facts_args"] == [] and spec["staged_args"] == ["/e", "/p"]
 
 
 def _dry_run(inv: Path, recipe: str | None) -> dict:

@@ -54,13 +54,14 @@ def changes_hosts(stages: tuple[str, ...], options: RunOptions) -> bool:
 
 
 def hosts_touched(plan, options: RunOptions, lock: bool) -> list[str]:
-    """The hosts a run of PLAN talks to (the head too when it takes the lock), in inventory order;
-    a --local build talks to none."""
+    """The hosts a run of PLAN talks to (the head too when it takes the lock), the head first (the
+    lock, the checkpoint's revision and the build are asked of it before any stage), then in
+    inventory order; a --local build talks to none."""
     names = {a.host for sp in plan.stages for a in sp.actions if not (sp.name == "build" and options.local)}
-    cluster = plan.deployment.cluster
+    head = plan.deployment.cluster.head_host.name
     if lock:
-        names.add(cluster.head_host.name)
-    return [h.name for h in cluster.hosts if h.name in names]
+        names.add(head)
+    return sorted((h.name for h in plan.deployment.cluster.hosts if h.name in names), key=lambda n: n != head)
 
 
 RECORDS = frozenset({"up", "launch", "rollback"})    # commands whose healthy launch is a release

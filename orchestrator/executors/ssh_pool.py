@@ -32,6 +32,7 @@ from .ssh import Result, SSHSession, SSHTarget
 log = logging.getLogger(__name__)
 
 CHANNELS_PER_CONNECTION = 8      # below sshd's default MaxSessions (10)
+FIRST_ALONE_S = 2.0              # warm(): how long the others wait for the first host's connection
 IDLE_AGENTS = 2                  # agents kept per connection (threads on one host rarely exceed it)
 
 
@@ -98,18 +99,24 @@ class ConnectionPool:
         self._warmers: list[threading.Thread] = []
 
     def warm(self, targets: list[SSHTarget]) -> None:
-        """Open the connections (and their agents) to TARGETS in the background, all at once, so
-        the first stage does not wait host after host. Failures are left to the stage that needs
+        """Open the connections (and their agents) to TARGETS in the background, so the first stage
+        does not wait host after host. The first target (the head: what a run asks first) starts
+        alone, the others once it is up (at most FIRST_ALONE_S later): starting them all at once
+        would slow the head's by as many login shells. Failures are left to the stage that needs
         the host: it reports them with its own context."""
-        def one(t: SSHTarget) -> None:
+        def one(t: SSHTarget, after: threading.Thread | None) -> None:
+            if after is not None:
+                after.join(FIRST_ALONE_S)
             try:
                 self.session(t).run(["true"], timeout=30)
             except Exception:  # noqa: BLE001 - see the docstring
                 pass
+        first: threading.Thread | None = None
         for t in targets:
-            th = threading.Thread(target=one, args=(t,), name=f"ssh-warm-{t.host}", daemon=True)
+            th = threading.Thread(target=one, args=(t, first), name=f"ssh-warm-{t.host}", daemon=True)
             th.start()
             self._warmers.append(th)
+            first = first or th
 
     def session(self, target: SSHTarget) -> SSHSession:
         key = _key(target)

@@ -76,9 +76,17 @@ def login_env(arg: str | None) -> dict[str, str]:
 
 
 def forkable_python(argv: list[str] | None, extra_env: dict[str, str]) -> bool:
-    """`python3 -c SOURCE ARGS...` with this interpreter's environment: run in a fork of the agent."""
-    return (bool(argv) and len(argv) >= 3 and argv[0] == "python3" and argv[1] == "-c"
-            and not any(k == "PATH" or k.startswith("PYTHON") for k in extra_env))
+    """`python3 -c SOURCE ARGS...` that names this very interpreter and changes neither PATH nor
+    PYTHON*/PYENV*: run in a fork of the agent. `python3` is this interpreter by construction (the
+    agent was started as `python3` from the same login environment and folder; a pyenv shim picks
+    the same version again); a path names it when it resolves to sys.executable."""
+    if not argv or len(argv) < 3 or argv[1] != "-c":
+        return False
+    if any(k == "PATH" or k.startswith(("PYTHON", "PYENV")) for k in extra_env):
+        return False
+    if argv[0] == "python3":
+        return True
+    return "/" in argv[0] and os.path.realpath(argv[0]) == os.path.realpath(sys.executable)
 
 
 def _python_child(source: str, args: list[str], env: dict[str, str]) -> None:

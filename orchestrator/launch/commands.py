@@ -1,12 +1,17 @@
 """The exact commands deployctl runs on a host to see and read the deployment's containers (pure:
 plans show them, containers.py runs them over SSH). Every `docker` word comes from the one builder
 (executors/docker_cli.py: `docker -H <the host's engine>`, shlex-quoted); the other values reach the
-shell only as "$1" "$2" ...
+shell only as "$1" "$2" ... (read_argv has no shell: hostside/host_read.py gets argv lists as JSON).
 """
 from __future__ import annotations
 
-from ..executors.docker_cli import docker_sh
+import json
+from pathlib import Path
+
+from ..executors.docker_cli import docker_argv, docker_sh, engine
 from .containerspec import LABEL
+
+HOST_READ = (Path(__file__).resolve().parent.parent / "hostside" / "host_read.py").read_text()
 
 
 def _list_sh(docker_host: str) -> str:
@@ -22,20 +27,19 @@ def _logs_sh(docker_host: str, follow: bool) -> str:
     return f'{docker_sh(docker_host, "logs", *(["-f"] if follow else []))} --tail "$1" "$2" 2>&1'
 
 
-def _read_sh(docker_host: str) -> str:
-    """One round trip for everything launch reads on a host: $1 label filter, $2 image, $3 head
-    address ("" on one node: no network facts), $4 facts script, $5 staged-tables script, $6 Engram
-    folder, $7 PLE folder. Sections start with "@@<name>" lines."""
-    return ('echo @@facts; if [ -n "$3" ]; then python3 -c "$4" "$3" || echo "exit $?"; fi; '
-            'echo @@staged; python3 -c "$5" "$6" "$7" || echo "exit $?"; '
-            f'echo @@image; {docker_sh(docker_host, "image", "inspect", "--format", "{{.Id}}")} "$2" 2>&1; '
-            'echo "exit $?"; echo @@containers; ' + _list_sh(docker_host))
-
-
 def read_argv(docker_host: str, deployment: str, image: str, head_address: str, facts_script: str,
               staged_script: str, engram_dir: str, ple_dir: str) -> list[str]:
-    return ["sh", "-c", _read_sh(docker_host), "sh", f"{LABEL}={deployment}", image, head_address,
-            facts_script, staged_script, engram_dir, ple_dir]
+    """One round trip for everything launch reads on a host: hostside/host_read.py with its SPEC
+    (the network facts only with a HEAD_ADDRESS, i.e. on more than one node; the staged tables of
+    ENGRAM_DIR and PLE_DIR; the image; the deployment's containers). No shell: the docker argv lists
+    go to the program as JSON."""
+    spec = {"facts": facts_script, "facts_args": [head_address] if head_address else [],
+            "staged": staged_script, "staged_args": [engram_dir, ple_dir],
+            "engine": engine(docker_host), "image": image, "label": f"{LABEL}={deployment}",
+            "image_inspect": docker_argv(docker_host, "image", "inspect", "--format", "{{.Id}}", image),
+            "ps": docker_argv(docker_host, "ps", "-aq", "--no-trunc", "--filter", f"label={LABEL}={deployment}"),
+            "inspect": docker_argv(docker_host, "inspect")}
+    return ["python3", "-c", HOST_READ, json.dumps(spec)]
 
 
 def list_argv(docker_host: str, deployment: str) -> list[str]:

@@ -2,7 +2,7 @@
 
 Most re-runs find every host current. Ansible costs seconds of start-up per run, while one SSH round
 trip per host answers the question: the host's own copy of the tables zipapp is run with the op's
-`--check` (the spec on stdin), which reads manifests and stats and writes nothing. Only a host that
+`--check` (the spec on stdin; IF_SAME_ZIPAPP), which reads manifests and stats and writes nothing. Only a host that
 already holds this exact zipapp (same sha256) is asked; any doubt (unreachable, another zipapp, not
 current, an unreadable answer) leaves the host to the playbook, which does the work and reports it.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,25 @@ from ..outcomes import parallel
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
+
+
+# `python3 -c IF_SAME_ZIPAPP PYZ SHA256 OP ARGS...`: run the zipapp's OP only if the host's copy is
+# this exact zipapp, else exit 1 without output. One interpreter (none on a connection with a command
+# agent, which runs `python3 -c` in a fork of itself), where `sha256sum ... && exec python3 PYZ` took
+# a shell, sha256sum and an interpreter start.
+IF_SAME_ZIPAPP = """
+import hashlib, runpy, sys
+pyz, want = sys.argv[1], sys.argv[2]
+try:
+    with open(pyz, "rb") as f:
+        same = hashlib.sha256(f.read()).hexdigest() == want
+except OSError:
+    same = False
+if not same:
+    sys.exit(1)
+sys.argv = [pyz, *sys.argv[3:]]
+runpy.run_path(pyz, run_name="__main__")
+"""
 
 
 @dataclass(frozen=True)
@@ -39,11 +57,11 @@ def already_done(dep: "Deployment", probes: list[Probe], pyz: Path,
     want = hashlib.sha256(pyz.read_bytes()).hexdigest()
 
     def ask(p: Probe) -> tuple[str, str | None]:
-        script = (f"[ \"$(sha256sum {shlex.quote(p.pyz)} 2>/dev/null | cut -d' ' -f1)\" = {want} ] "
-                  f"&& exec {shlex.join(p.check_argv)}")
+        python, pyz, *op_args = p.check_argv
+        assert pyz == p.pyz, p.check_argv
         try:
             r = SSHTarget.for_host(dep.cluster.host(p.host), dep.cluster).run(
-                ["sh", "-c", script], timeout=60, stdin=json.dumps(p.spec))
+                [python, "-c", IF_SAME_ZIPAPP, p.pyz, want, *op_args], timeout=60, stdin=json.dumps(p.spec))
             doc = json.loads(r.stdout.strip().splitlines()[-1]) if r.rc == 0 and r.stdout.strip() else {}
         except (SSHError, ValueError):
             return p.host, None

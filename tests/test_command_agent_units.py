@@ -1,0 +1,122 @@
+"""hostside/command_agent.py on this machine (no SSH): its protocol, the shell path and the
+`python3 -c` fork path behave as sshd plus a fresh interpreter would. tests/test_ssh_pool.py runs
+it through real sshd hosts."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.hostside import command_agent as agent
+
+SOURCE = Path(agent.__file__).read_text()
+
+
+class Agent:
+    def __init__(self, env_arg: str = ""):
+        # started the way executors/command_agent.py starts it: `python3 -c SOURCE ENV`
+        self.p = subprocess.Popen([sys.executable, "-c", SOURCE, env_arg], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, env={**os.environ, "SHELL": "/bin/sh"})
+        assert self.read()["protocol"] == 1
+
+    def read(self) -> dict:
+        (n,) = struct.unpack(">Q", self.p.stdout.read(8))
+        return json.loads(self.p.stdout.read(n))
+
+    def call(self, cmd: str = "", argv: list[str] | None = None, stdin: bytes = b"", env=None,
+             timeout: float = 10) -> dict:
+        req = json.dumps({"cmd": cmd, "argv": argv, "stdin": base64.b64encode(stdin).decode(),
+                          "env": env or {}, "timeout": timeout}).encode()
+        self.p.stdin.write(struct.pack(">Q", len(req)) + req)
+        self.p.stdin.flush()
+        doc = self.read()
+        for k in ("out", "err"):
+            doc[k] = base64.b64decode(doc[k]).decode()
+        return doc
+
+    def close(self) -> int:
+        self.p.stdin.close()
+        return self.p.wait(timeout=10)
+
+
+@pytest.fixture
+def ag():
+    a = Agent()
+    yield a
+    assert a.close() == 0, "EOF on stdin ends the agent"
+
+
+def py(src: str, *args: str) -> list[str]:
+    return ["python3", "-c", src, *args]
+
+
+def test_shell_lines_run_like_sshd_runs_them(ag):
+    r = ag.call("echo \"$1|$X\"; cat; echo e >&2; exit 7", stdin=b"in\n", env={"X": "a b"})
+    assert (r["rc"], r["out"], r["err"]) == (7, "|a b\nin\n", "e\n")
+
+
+def test_python_programs_run_in_a_fork_as_a_fresh_interpreter_would(ag):
+    src = ("import sys, os\nprint(sys.argv, __name__, os.environ.get('X'), sys.stdin.read())\n"
+           "print('to err', file=sys.stderr)\nsys.exit(int(sys.argv[1]))")
+    r = ag.call(argv=py(src, "3", "two words"), stdin=b"data", env={"X": "y"})
+    assert (r["rc"], r["out"], r["err"]) == (3, "['-c', '3', 'two words'] __main__ y data\n", "to err\n")
+    r = ag.call(argv=py("raise ValueError('boom')"))
+    assert r["rc"] == 1 and r["err"].splitlines()[-1] == "ValueError: boom"
+    assert 'File "<string>", line 1' in r["err"] and "command_agent" not in r["err"], r["err"]
+    r = ag.call(argv=py("import sys; sys.exit('a message')"))
+    assert (r["rc"], r["err"]) == (1, "a message\n")
+    r = ag.call(argv=py("def f(a: int): pass\nprint(f.__annotations__)"))   # no inherited __future__
+    assert r["out"] == "{'a': <class 'int'>}\n"
+    r = ag.call(argv=py("import sys; print('x'); sys.stdout.close()"))
+    assert (r["rc"], r["out"]) == (0, "x\n")
+    r = ag.call(argv=py("import sys; sys.stdout.write('y' * 500000)"))
+    assert len(r["out"]) == 500000
+    # a fresh interpreter each time: nothing one program sets is seen by the next
+    ag.call(argv=py("import json; json.marker = 1"))
+    assert ag.call(argv=py("import json; print(hasattr(json, 'marker'))"))["out"] == "False\n"
+
+
+def test_what_runs_in_a_fork_and_what_does_not():
+    assert agent.forkable_python(["python3", "-c", "pass"], {})
+    assert agent.forkable_python([sys.executable, "-c", "pass"], {})        # this interpreter by path
+    assert not agent.forkable_python(["/bin/true", "-c", "pass"], {})       # another program
+    assert not agent.forkable_python(["python3", "-c", "pass"], {"PATH": "/x"})
+    assert not agent.forkable_python(["python3", "-c", "pass"], {"PYTHONPATH": "/x"})
+    assert not agent.forkable_python(["python3", "-m", "x"], {})
+    assert not agent.forkable_python(["/usr/bin/env", "-c", "x"], {})
+    assert not agent.forkable_python(None, {})
+
+
+def test_a_timeout_kills_the_command_and_what_it_started(ag):
+    marker = "2718.2818"
+    for req in ({"cmd": f"sleep {marker} & sleep {marker}"},
+                {"argv": py(f"import subprocess; subprocess.run(['sleep', '{marker}'])")}):
+        t0 = time.monotonic()
+        r = ag.call(timeout=1, **req)
+        assert r.get("timeout") is True and time.monotonic() - t0 < 5, r
+        left = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True).stdout
+        assert left == "", left
+    assert ag.call("echo alive")["out"] == "alive\n"
+
+
+def test_the_login_environment_is_what_commands_get():
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/root", "SHLVL": "1", "_": "/usr/bin/env", "K": "v=w"}
+    raw = base64.b64encode("\0".join(f"{k}={v}" for k, v in env.items()).encode()).decode()
+    got = agent.login_env(raw)
+    assert got == {"PATH": "/usr/bin:/bin", "HOME": "/root", "SHLVL": "1", "K": "v=w"}
+    assert agent.login_env(base64.b64encode(b"SHLVL=0\0A=1").decode())["SHLVL"] == "1"   # no ~/.bashrc again
+    assert agent.login_env("not base64!")["PATH"] == os.environ["PATH"]                 # its own, then
+    a = Agent(raw)
+    try:
+        r = a.call("echo $K $SHLVL; command -v sh")
+        assert r["out"].splitlines()[0] == "v=w 1" and r["out"].splitlines()[1] == shutil.which("sh", path=env["PATH"])
+    finally:
+        a.close()
