@@ -133,6 +133,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# issue 15's targets on the test machine: the no-op `up` per size, `status` at 8 hosts (seconds)
+NOOP_TARGET_S = {4: 3.0, 8: 4.0}
+STATUS_TARGET_S = {8: 1.5}
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        for what, key, targets in (("no-op up", "noop_up_s", NOOP_TARGET_S), ("status", "status_s", STATUS_TARGET_S)):
+            if r["hosts"] in targets:
+                limit = targets[r["hosts"]]
+                out.append(f"{what} at {r['hosts']} hosts: {r[key]:.2f} s, target <= {limit:g} s: "
+                           + ("met" if r[key] <= limit else "NOT met"))
+    return out
+
+
 def plot(rows: list[dict], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -170,6 +186,8 @@ def main() -> int:
         rows.append(measure(n, a.noop_runs, a.keep))
         print(table(rows[-1:]), file=sys.stderr)
     print(json.dumps(rows, indent=2) if a.json else table(rows))
+    for line in verdicts(rows):
+        print(line, file=sys.stderr if a.json else sys.stdout)
     if a.png:
         plot(rows, a.png)
         print(f"plot: {a.png}", file=sys.stderr)
