@@ -74,8 +74,10 @@ class EngineAPI:
     """The three questions asked of a `unix://` engine through its API, answered as the docker CLI
     answers them (`image inspect --format {{.Id}}`, `ps -aq --no-trunc --filter`, `inspect`: the
     CLI prints the API's JSON as it comes) without starting a docker process per question. The
-    unversioned paths take the engine's own API version (Engine API: GET /images/{name}/json,
-    GET /containers/json, GET /containers/{id}/json)."""
+    unversioned paths take the engine's own API version (Engine API as moby/moby api/swagger.yaml
+    defines it: ImageInspect GET /images/{name}/json, ContainerList GET /containers/json with `all`
+    and `filters`, ContainerInspect GET /containers/{id}/json; the same in API 1.41 (20.10) and
+    1.45 (26), the two engines the tests run)."""
 
     def __init__(self, engine: str, timeout: float = 60.0):
         self.engine, self.path, self.timeout = engine, engine[len("unix://"):], timeout
