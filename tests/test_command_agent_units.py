@@ -120,3 +120,47 @@ def test_the_login_environment_is_what_commands_get():
         assert r["out"].splitlines()[0] == "v=w 1" and r["out"].splitlines()[1] == shutil.which("sh", path=env["PATH"])
     finally:
         a.close()
+
+
+def _lock(a: Agent, path: str, holder: str = "", unlock: bool = False) -> dict:
+    req = json.dumps({"unlock": path} if unlock else {"lock": path, "holder": holder}).encode()
+    a.p.stdin.write(struct.pack(">Q", len(req)) + req)
+    a.p.stdin.flush()
+    doc = a.read()
+    doc["out"] = base64.b64decode(doc.get("out", "")).decode()
+    return doc
+
+
+def _flock_rc(path: str) -> int:
+    """What launch/lock.py's other path (and another deployctl) gets: `flock -n -E 75 PATH true`."""
+    return subprocess.run(["flock", "-n", "-E", "75", path, "true"], timeout=10).returncode
+
+
+def test_the_agents_lock_is_flocks_lock_and_ends_with_the_agent(tmp_path):
+    path = str(tmp_path / "deployctl-x.lock")
+    a, b = Agent(), Agent()
+    try:
+        assert _lock(a, path, "run A")["rc"] == 0
+        assert Path(path).read_text() == "run A\n"                  # who holds it, for a refused run
+        assert _flock_rc(path) == 75                               # flock(1) is refused...
+        held = _lock(b, path, "run B")
+        assert held["rc"] == 75 and held["out"] == "run A\n"       # ...and so is another agent, told who
+        assert a.call("sleep 0.1; echo still")["out"] == "still\n"  # commands meanwhile: the lock stays
+        assert a.call(argv=py("print('fork')"))["out"] == "fork\n"
+        assert _flock_rc(path) == 75
+        assert _lock(a, path, unlock=True)["rc"] == 0
+        assert _flock_rc(path) == 0                                # unlock lets it go
+        assert _lock(b, path, "run B")["rc"] == 0
+    finally:
+        assert b.close() == 0                                      # EOF: the agent ends, so does its lock
+        a.close()
+    assert _flock_rc(path) == 0
+    # flock(1) holding it: the agent is refused
+    with subprocess.Popen(["flock", path, "-c", "echo held; exec sleep 30"], stdout=subprocess.PIPE, text=True) as f:
+        assert f.stdout.readline() == "held\n"
+        c = Agent()
+        try:
+            assert _lock(c, path, "run C")["rc"] == 75
+        finally:
+            c.close()
+            f.kill()

@@ -107,3 +107,40 @@ def test_a_connection_lost_mid_scope_is_replaced(cluster):
         again = cluster.ssh_target(h).connect()
         assert again is not s and again.run(["echo", "back"], timeout=20).stdout == "back\n"
         assert pool.opened == 2
+
+
+def test_callers_wait_for_the_agent_being_started_and_a_lock_lives_in_it(cluster, monkeypatch):
+    """The warm-up's agent serves the first command (one login per host, not one per caller), and
+    the head lock taken in an agent (launch/lock.py) excludes flock(1) in any other process, lasts
+    through other commands, and is let go by unlock or by the scope's end."""
+    h = cluster.hosts[2]
+    target = cluster.ssh_target(h)
+    path = "/var/lock/deployctl-test-pool.lock"
+    flock = ["flock", "-n", "-E", "75", path, "true"]
+    starts = []
+
+    class Counted(command_agent.CommandAgent):
+        def __init__(self, session):
+            starts.append(time.monotonic())
+            super().__init__(session)
+    monkeypatch.setattr(ssh_pool, "CommandAgent", Counted)
+    with shared_connections() as pool:
+        ssh_pool.warm_up([target])
+        time.sleep(0.05)                                                   # the warm-up is starting it
+        assert target.run(["echo", "y"]).stdout == "y\n"
+        assert len(starts) == 1 and pool.opened == 1, starts
+        agents = target.connect().runner
+        assert agents.lock(path, "test pool holder", 20).rc == 0
+        refused = target.run(flock, timeout=20)                            # another process: refused
+        busy = [threading.Thread(target=lambda: target.run(["sleep", "0.3"])) for _ in range(3)]
+        for t in busy:
+            t.start()
+        for t in busy:
+            t.join()
+        assert target.run(["cat", path]).stdout == "test pool holder\n"
+        still = target.run(flock, timeout=20)                              # the holder was not closed
+        agents.unlock(path)
+        freed = target.run(flock, timeout=20)
+        assert agents.lock(path, "held to the end", 20).rc == 0
+    after = cluster.ssh_target(h).run(flock, timeout=20)
+    assert (refused.rc, still.rc, freed.rc, after.rc) == (75, 75, 0, 0), (refused, still, freed, after)

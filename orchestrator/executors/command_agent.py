@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .ssh import SSHSession
 
 SOURCE = (Path(__file__).resolve().parent.parent / "hostside" / "command_agent.py").read_text()
+LOCK_BUSY = 75              # the agent's answer when another process holds the lock
 START_TIMEOUT_S = 20.0      # login shell + python3 start-up on a loaded host
 REPLY_GRACE_S = 10.0        # past the command's own timeout: the agent kills it and answers
 MAX_FRAME = 1 << 31
@@ -41,6 +42,8 @@ class AgentUnavailable(Exception):
 class CommandAgent:
     def __init__(self, session: "SSHSession"):
         self.host = session.target.host
+        self.locks: set[str] = set()       # paths this agent holds a lock on (its own process)
+        self.broken = False                # a request failed mid-frame: the channel is out of step
         # a shell line: the login shell hands the agent its own environment (see the agent's doc)
         self.ch: paramiko.Channel = session.channel_for(
             f'exec python3 -c {shlex.quote(SOURCE)} "$(env -0 | base64 -w0)"')
@@ -68,31 +71,52 @@ class CommandAgent:
         return bytes(buf)
 
     def _read_frame(self, deadline: float) -> dict:
+        self.broken = True        # until a whole frame is read
         try:
             (n,) = struct.unpack(">Q", self._recv_exact(8, deadline))
             if n > MAX_FRAME:
                 raise ValueError(f"frame of {n} bytes")
-            return json.loads(self._recv_exact(n, deadline))
+            doc = json.loads(self._recv_exact(n, deadline))
+            self.broken = False
+            return doc
         except socket.timeout:
             raise SSHTimeout(self.host, "no answer from the command agent in time") from None
         except (paramiko.SSHException, OSError, EOFError) as e:
             raise SSHError(self.host, f"the command agent's channel broke: {e}") from None
 
-    def call(self, cmd: str, *, argv: list[str] | None = None, stdin: bytes = b"",
-             env: dict[str, str] | None = None, timeout: float = 60.0) -> Result:
-        req = json.dumps({"cmd": cmd, "argv": argv, "stdin": base64.b64encode(stdin).decode(), "env": env or {},
-                          "timeout": timeout}).encode()
+    def _request(self, doc: dict, what: str, timeout: float) -> dict:
+        req = json.dumps(doc).encode()
+        self.broken = True        # until the answer is read
         try:
             self.ch.settimeout(max(timeout, 1.0))
             self.ch.sendall(struct.pack(">Q", len(req)) + req)
         except (socket.timeout, paramiko.SSHException, OSError, EOFError) as e:
-            raise SSHError(self.host, f"cannot send `{cmd}` to the command agent (link down or host "
+            raise SSHError(self.host, f"cannot send {what} to the command agent (link down or host "
                                       f"wedged?): {e}") from None
-        doc = self._read_frame(time.monotonic() + timeout + REPLY_GRACE_S)
+        return self._read_frame(time.monotonic() + timeout + REPLY_GRACE_S)
+
+    def call(self, cmd: str, *, argv: list[str] | None = None, stdin: bytes = b"",
+             env: dict[str, str] | None = None, timeout: float = 60.0) -> Result:
+        doc = self._request({"cmd": cmd, "argv": argv, "stdin": base64.b64encode(stdin).decode(),
+                             "env": env or {}, "timeout": timeout}, f"`{cmd}`", timeout)
         out, err = base64.b64decode(doc.get("out", "")), base64.b64decode(doc.get("err", ""))
         if doc.get("timeout"):
             raise SSHTimeout(self.host, f"command timed out after {timeout:g}s: `{cmd}`" + _tail_note(out, err))
         return Result(int(doc["rc"]), out.decode(errors="replace"), err.decode(errors="replace"))
+
+    def lock(self, path: str, holder: str, timeout: float) -> Result:
+        """flock PATH without waiting, held by the agent until unlock() or its end (see the agent's
+        doc): rc 0 taken, LOCK_BUSY held by another process (stdout: the holder it wrote)."""
+        doc = self._request({"lock": path, "holder": holder}, f"a lock on {path}", timeout)
+        self.locks.add(path)
+        if int(doc["rc"]) != 0:
+            self.locks.discard(path)
+        return Result(int(doc["rc"]), base64.b64decode(doc.get("out", "")).decode(errors="replace"),
+                      base64.b64decode(doc.get("err", "")).decode(errors="replace"))
+
+    def unlock(self, path: str, timeout: float = 10.0) -> None:
+        self._request({"unlock": path}, f"the release of {path}", timeout)
+        self.locks.discard(path)
 
     def close(self) -> None:
         try:

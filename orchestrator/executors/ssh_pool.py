@@ -37,42 +37,114 @@ IDLE_AGENTS = 2                  # agents kept per connection (threads on one ho
 
 
 class _Agents:
-    """The command agents of one shared connection: SSHSession.runner."""
+    """The command agents of one shared connection: SSHSession.runner.
+
+    A caller that finds no idle agent while one is starting waits for that start instead of
+    starting its own: each start is a login shell on the host (the cost the agent exists to pay
+    once), and the usual case is the warm-up's agent being ready a moment later."""
 
     def __init__(self, session: SSHSession):
         self.session = session
         self.idle: list[CommandAgent] = []
-        self.lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.starting = 0
         self.unavailable = False
+        self.locked: dict[str, CommandAgent] = {}     # lock path -> the agent holding it
+
+    def _take(self) -> CommandAgent | None:
+        """An idle agent, or a new one (None: the host has none, see the module doc)."""
+        with self.cond:
+            while not self.idle and self.starting and not self.unavailable:
+                self.cond.wait()
+            if self.unavailable:
+                return None
+            if self.idle:
+                return self.idle.pop()
+            self.starting += 1
+        try:
+            return CommandAgent(self.session)
+        except AgentUnavailable as e:
+            log.debug("%s: no command agent (%s): one channel per command", self.session.target.host, e)
+            self.unavailable = True
+            return None
+        finally:
+            with self.cond:
+                self.starting -= 1
+                self.cond.notify_all()
+
+    def _give_back(self, agent: CommandAgent) -> None:
+        with self.cond:
+            if len(self.idle) < IDLE_AGENTS or agent.locks:     # an agent holding a lock lives on
+                self.idle.append(agent)
+                self.cond.notify_all()
+                return
+        agent.close()
+
+    def warm(self) -> None:
+        """Start an agent (unless one is idle) and keep it idle for the run's first command."""
+        agent = self._take()
+        if agent is not None:
+            self._give_back(agent)
 
     def __call__(self, cmd: str, argv: list[str] | None, stdin: bytes, env: dict[str, str] | None,
                  timeout: float) -> Result | None:
-        if self.unavailable:
-            return None
-        with self.lock:
-            agent = self.idle.pop() if self.idle else None
+        agent = self._take()
         if agent is None:
-            try:
-                agent = CommandAgent(self.session)
-            except AgentUnavailable as e:
-                log.debug("%s: no command agent (%s): one channel per command", self.session.target.host, e)
-                self.unavailable = True
-                return None
+            return None
         try:
             r = agent.call(cmd, argv=argv, stdin=stdin, env=env, timeout=timeout)
-        except BaseException:
-            agent.close()
-            raise
-        with self.lock:
-            if len(self.idle) < IDLE_AGENTS:
-                self.idle.append(agent)
-                agent = None
-        if agent is not None:
-            agent.close()
+        finally:
+            self._done_with(agent)
         return r
 
+    def _done_with(self, agent: CommandAgent) -> None:
+        """Back to idle, unless its channel is out of step (a request broke off): then closed."""
+        if agent.broken:
+            agent.close()
+            with self.cond:
+                self.locked = {p: a for p, a in self.locked.items() if a is not agent}
+                self.cond.notify_all()
+        else:
+            self._give_back(agent)
+
+    def lock(self, path: str, holder: str, timeout: float) -> Result | None:
+        """flock PATH in an agent of this connection, held until unlock(PATH) or the connection's
+        end (CommandAgent.lock); None when the host has no agent (the caller uses flock(1)). The
+        agent stays in use for other commands meanwhile, never closed as surplus."""
+        agent = self._take()
+        if agent is None:
+            return None
+        try:
+            r = agent.lock(path, holder, timeout)
+            if r.rc == 0:
+                with self.cond:
+                    self.locked[path] = agent
+            return r
+        finally:
+            self._done_with(agent)
+
+    def unlock(self, path: str, timeout: float = 10.0) -> None:
+        """Let PATH go: through the agent holding it, once that agent is idle; an agent that broke
+        is closed, and its lock went with it."""
+        def idle_holder() -> CommandAgent | None:
+            a = self.locked.get(path)
+            return a if a is not None and a in self.idle else None
+
+        with self.cond:
+            if not self.cond.wait_for(lambda: path not in self.locked or idle_holder(), timeout):
+                return            # still busy past TIMEOUT: the lock ends with the connection
+            agent = idle_holder()
+            if agent is None:
+                return
+            self.idle.remove(agent)
+            del self.locked[path]
+        try:
+            agent.unlock(path, timeout)
+        finally:
+            self._done_with(agent)
+
     def close(self) -> None:
-        with self.lock:
+        with self.cond:
             agents, self.idle = self.idle, []
         for a in agents:
             a.close()
@@ -108,7 +180,9 @@ class ConnectionPool:
             if after is not None:
                 after.join(FIRST_ALONE_S)
             try:
-                self.session(t).run(["true"], timeout=30)
+                s = self.session(t)
+                if isinstance(s.runner, _Agents):
+                    s.runner.warm()
             except Exception:  # noqa: BLE001 - see the docstring
                 pass
         first: threading.Thread | None = None

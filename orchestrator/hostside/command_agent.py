@@ -22,10 +22,19 @@ JSON. First the agent sends {"ready": pid, "protocol": 1}. Then per request
 it answers {"rc", "out": base64, "err": base64} or, past the timeout (the command's process group
 is then killed), {"timeout": true, "out", "err"}. EOF on stdin ends the agent. It never writes to
 stderr, so the channel's stderr cannot fill.
+
+Locks: {"lock": PATH, "holder": TEXT} takes flock(2) LOCK_EX|LOCK_NB on PATH (created 0644), the
+lock `flock -n PATH` takes, so the two exclude each other; on success TEXT replaces the file's
+content (who holds it) and the answer is {"rc": 0}; when another process holds it, {"rc": 75,
+"out": base64 of the file} (75: what `flock -E 75` exits with). {"unlock": PATH} lets it go. A lock
+lives in this process (its fd is close-on-exec, and forked programs close it first), so it ends
+with the agent: when the controller closes the channel, or dies and sshd ends the session.
 """
 from __future__ import annotations
 
 import base64
+import errno
+import fcntl
 import json
 import os
 import signal
@@ -131,8 +140,57 @@ def _python_child(source: str, args: list[str], env: dict[str, str]) -> None:
     os._exit(code & 0xFF)
 
 
+LOCK_BUSY = 75
+# What deployctl's host programs import (host_read.py, modelsync.py, the tables zipapp's check):
+# loaded once here, so a forked program finds them in sys.modules instead of importing them again
+# (http.client alone is ~20 ms of CPU: it pulls in the email package).
+PRELOAD = ("http.client", "urllib.parse", "socket", "hashlib", "glob", "io", "contextlib", "traceback", "re",
+           "runpy", "zipfile", "zipimport", "dataclasses", "pathlib", "tempfile", "shutil")
+
+
+def preload() -> None:
+    import importlib
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:       # a trimmed interpreter: the program imports what it needs itself
+            pass
+
+
+def take_lock(locks: dict[str, int], path: str, holder: str) -> dict:
+    """A lock request's answer (see the module doc); LOCKS: path -> fd of the locks held."""
+    if path in locks:
+        return {"rc": 0, "out": "", "err": ""}
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOCTTY, 0o644)
+    except OSError as e:
+        return {"rc": 1, "out": "", "err": _b64(f"cannot open {path}: {e}\n".encode())}
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        try:
+            held = os.pread(fd, 4096, 0) if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else b""
+        finally:
+            os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return {"rc": LOCK_BUSY, "out": _b64(held), "err": ""}
+        return {"rc": 1, "out": "", "err": _b64(f"flock {path}: {e}\n".encode())}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder.encode() + b"\n", 0)
+    locks[path] = fd
+    return {"rc": 0, "out": "", "err": ""}
+
+
+def drop_lock(locks: dict[str, int], path: str) -> dict:
+    fd = locks.pop(path, None)
+    if fd is not None:
+        os.close(fd)       # the only fd of this open file: the lock goes with it
+    return {"rc": 0, "out": "", "err": ""}
+
+
 def serve(rd, wr, base_env: dict[str, str]) -> None:
     shell = base_env.get("SHELL") or "/bin/sh"
+    locks: dict[str, int] = {}
 
     def send(doc: dict) -> None:
         data = json.dumps(doc).encode()
@@ -140,6 +198,7 @@ def serve(rd, wr, base_env: dict[str, str]) -> None:
         wr.flush()
 
     send({"ready": os.getpid(), "protocol": PROTOCOL})
+    preload()        # while the controller sends the first request
     while True:
         head = _read_exact(rd, 8)
         if head is None:
@@ -148,6 +207,12 @@ def serve(rd, wr, base_env: dict[str, str]) -> None:
         if body is None:
             return
         req = json.loads(body)
+        if "lock" in req:
+            send(take_lock(locks, req["lock"], req.get("holder", "")))
+            continue
+        if "unlock" in req:
+            send(drop_lock(locks, req["unlock"]))
+            continue
         extra = req.get("env") or {}
         env = {**base_env, **extra}
         argv = req.get("argv")

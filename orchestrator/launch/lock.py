@@ -1,8 +1,12 @@
 """One deployctl run at a time per deployment: a lock held on the head for the whole run.
 
-An SSH session to the head runs `flock -n LOCKFILE -c '...; echo LOCKED; exec cat'`: the lock is
-taken without waiting, the holder is written into the lock file (so a refused run can say who holds
-it), and `cat` keeps the lock until its stdin closes. Closing the session releases it; so does the
+flock(2) on LOCKFILE, taken without waiting, with the holder written into the file (so a refused
+run can say who holds it), held by a process that lives as long as our SSH session to the head:
+- on a shared connection (every CLI command, executors/ssh_pool.py), the head's command agent holds
+  it (hostside/command_agent.py take_lock): no login shell of its own;
+- else (no agent on the head, library use) the session runs
+  `flock -n LOCKFILE -c '...; echo LOCKED; exec cat'`, `cat` keeping it until its stdin closes.
+Both take the same lock, so they exclude each other. Closing the session releases it; so does the
 controller dying or being killed (sshd ends the session), so a stale lock cannot outlive its run.
 """
 from __future__ import annotations
@@ -22,7 +26,7 @@ if TYPE_CHECKING:
     from ..deployment import Deployment
 
 LOCK_DIR = "/var/lock"
-BUSY = 75                    # flock -E: exit code when the lock is held by someone else
+BUSY = 75                    # flock -E (and the agent): the lock is held by someone else
 ACQUIRE_TIMEOUT_S = 20.0
 
 
@@ -52,6 +56,7 @@ class HeadLock:
         self.path = lock_path(dep.name)
         self._session: SSHSession | None = None
         self._ex: RemoteExec | None = None
+        self._agents = None        # the head's agents (executors/ssh_pool.py) when one holds the lock
 
     def __enter__(self) -> "HeadLock":
         self.acquire()
@@ -66,6 +71,17 @@ class HeadLock:
             self._session = SSHTarget.for_host(self.head, self.dep.cluster).connect()
         except SSHError as e:
             raise StageFailed(f"cannot take the deployment lock {path} on the head {head}: {e}") from None
+        agents = self._session.runner
+        if hasattr(agents, "lock"):
+            try:
+                r = agents.lock(path, holder_text(self.command), self.timeout)
+            except SSHError as e:
+                raise StageFailed(f"cannot take the deployment lock {path} on the head {head}: {e}") from None
+            if r is not None:
+                self._agents = agents if r.rc == 0 else None
+                if r.rc == 0:
+                    return
+                self._refuse(r.rc, r.stdout.strip(), r.stdout, r.stderr)
         inner = (f"printf '%s\\n' {shlex.quote(holder_text(self.command))} > {shlex.quote(path)}; "
                  "echo LOCKED; exec cat")
         cmd = command_line(["flock", "-n", "-E", str(BUSY), path, "-c", inner])
@@ -84,7 +100,10 @@ class HeadLock:
                 holder = self._session.run(["cat", path], timeout=10).stdout.strip()
             except SSHError:
                 pass
-        out, err = self._ex.stdout, self._ex.stderr
+        self._refuse(rc, holder, self._ex.stdout, self._ex.stderr)
+
+    def _refuse(self, rc: int, holder: str, out: str, err: str) -> None:
+        head, path = self.head.name, self.path
         self.release()
         if rc == BUSY:
             raise LockHeld(f"deployment {self.dep.name} is locked on the head {head} ({path}): another "
@@ -94,7 +113,13 @@ class HeadLock:
                           f"{rc}: {err.strip()[-300:] or out.strip()[-300:] or 'no output'}")
 
     def release(self) -> None:
-        """Close the lock's session: `cat` sees EOF, flock exits, the lock is free."""
+        """Let the lock go: the agent drops it, or `cat` sees EOF and flock exits."""
+        if self._agents is not None:
+            try:
+                self._agents.unlock(self.path)
+            except SSHError:
+                pass      # the head's connection broke: the agent, and its lock, are gone with it
+            self._agents = None
         if self._ex is not None:
             try:
                 self._ex.close_stdin()
