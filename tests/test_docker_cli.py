@@ -20,6 +20,7 @@ import yaml
 
 from orchestrator.executors.docker_cli import DEFAULT_ENGINE, docker_argv, docker_sh, engine
 from orchestrator.inventory import Host
+from orchestrator.executors.host_batch import HOST_READ
 from orchestrator.launch.commands import list_argv, logs_argv, read_argv
 from orchestrator.paths import INVENTORIES_DIR
 
@@ -40,7 +41,7 @@ def test_the_builder_always_passes_the_engine():
     assert docker_sh("unix:///a;b $(x).sock", "load") == "docker -H 'unix:///a;b $(x).sock' load"
     # launch's shell scripts: the engine is in the script quoted, every other value is "$N"
     bad = "unix:///a'b;$(touch /tmp/x).sock"
-    for argv in (list_argv(bad, "d"), logs_argv(bad, "c", 5, follow=True)):
+    for argv in (logs_argv(bad, "c", 5, follow=True),):
         assert argv[:2] == ["sh", "-c"] and bad not in argv
         assert all(m == shlex.quote(bad) for m in re.findall(r"docker -H ('[^']*'(?:\"'\"'[^']*')*)",
                                                               argv[2]))
@@ -51,6 +52,12 @@ def test_the_builder_always_passes_the_engine():
     spec = json.loads(argv[3])
     assert [spec[k][:3] for k in ("image_inspect", "ps", "inspect")] == [["docker", "-H", bad]] * 3
     assert spec["image_inspect"][-1] == "img" and spec["facts_args"] == [] and spec["staged_args"] == ["/e", "/p"]
+    # the container list (health, status, down): the same program, its list form
+    argv = list_argv(bad, "d")
+    assert argv[:2] == ["python3", "-c"] and len(argv) == 4
+    spec = json.loads(argv[3])
+    assert spec["list"] is True and spec["engine"] == bad and spec["label"] == "deployctl.deployment=d"
+    assert [spec[k][:3] for k in ("ps", "inspect")] == [["docker", "-H", bad]] * 2
 
 
 def _dry_run(inv: Path, recipe: str | None) -> dict:
@@ -69,7 +76,9 @@ def _docker_calls(value, found: list[tuple[str, str]]) -> None:
             if k != "container":             # the engine-independent container spec (its "docker_run")
                 _docker_calls(v, found)
     elif isinstance(value, list):
-        if value and value[0] == "docker":
+        if value[:3] == ["python3", "-c", HOST_READ]:     # the host program: its docker argv lists are in SPEC
+            _docker_calls(json.loads(value[3]), found)
+        elif value and value[0] == "docker":
             found.append((value[2] if value[1:2] == ["-H"] else "", " ".join(value)[:120]))
         else:
             for v in value:

@@ -137,8 +137,67 @@ def test_ship_bytes_on_every_engine(engines, tmp_path):
                        f"re-ship 0 B  patch {d['bytes_sent']:>9,} B ({d['bytes_sent'] / full[w]:.2%})"
                        + ("  whole image" if whole else ""))
     print("\n" + "\n".join(f for f in FIGURES if f.startswith(key)))
+    for h in c.hosts:
+        api_answers_as_the_cli(h.docker_host, SMALL)
     if key.startswith("mixed"):
         one_image_under_several_ids(c, tmp_path)
+
+
+def api_answers_as_the_cli(engine: str, image: str) -> None:
+    """hostside/host_read.py's CLI forms (preflight, ship, releases ask them through the Engine API)
+    print what the docker CLI prints for them, on this engine (20.10, 26, 26 with the containerd store)."""
+    from orchestrator.hostside import host_read as hr
+    from orchestrator.ship.stores import INFO_FORMAT
+
+    def both(*args: str) -> tuple[tuple[int, str], tuple[int, str]]:
+        argv = ["docker", "-H", engine, *args]
+        assert hr.cli_form(hr.EngineAPI(engine, 30), list(args)) is not None, args   # a known form
+        rc, out, _ = hr.answer(argv, 30)
+        cli = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        return (rc, out), (cli.returncode, cli.stdout)
+
+    label = f"deployctl.test-forms={os.getpid()}"
+    name = f"dctl-forms-{os.getpid()}"
+    r = subprocess.run(["docker", "-H", engine, "create", "--name", name, "--label", label, image, "true"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    try:
+        for args in (("info", "--format", INFO_FORMAT),
+                     ("image", "inspect", "--format", "{{.Id}}", image),
+                     ("image", "inspect", "--format", "{{.Id}} {{json .RepoTags}} {{json .RootFS.Layers}}", image),
+                     ("image", "inspect", "--format", "{{.Id}} {{json .RootFS.Layers}}", image),
+                     ("container", "inspect", "--format", "{{.Image}}", name),
+                     ("ps", "-aq", "--no-trunc", "--filter", f"label={label}"),
+                     ("ps", "-aq", "--filter", f"label={label}"),
+                     ("ps", "-q", "--filter", f"label={label}")):          # not running: none
+            api, cli = both(*args)
+            assert api == cli, (engine, args, api, cli)
+        api, cli = both("image", "ls", "-aq", "--no-trunc")              # the CLI repeats an ID per tag
+        assert api[0] == cli[0] == 0 and sorted(set(api[1].split())) == sorted(set(cli[1].split())), (engine, api, cli)
+        api, cli = both("info", "--format", "{{json .}}")                 # the CLI adds its client's fields
+        a, b = json.loads(api[1]), json.loads(cli[1])
+        for k in ("ServerVersion", "Driver", "DriverStatus", "Runtimes", "Architecture"):
+            assert a[k] == b[k], (engine, k)
+        api, cli = both("image", "inspect", "--format", "{{json .}}", image)   # ship's inspect_head reads these
+        a, b = json.loads(api[1]), json.loads(cli[1])
+        assert api[0] == cli[0] == 0 and all(a[k] == b[k] for k in ("Id", "RootFS", "Size", "Architecture")), engine
+        for args in (("image", "inspect", "--format", "{{.Id}}", "dctl-no-such:image"),
+                     ("container", "inspect", "--format", "{{.Image}}", "dctl-no-such-container")):
+            api, cli = both(*args)
+            assert api[0] == cli[0] == 1 and api[1] == cli[1], (engine, args, api, cli)
+        tag = f"dctl-forms-tag:{os.getpid()}"
+        assert both("tag", image, tag)[0][0] == 0                        # (tagged twice: idempotent)
+        assert inspect_id(engine, tag) == inspect_id(engine, image)
+        subprocess.run(["docker", "-H", engine, "rmi", tag], capture_output=True, timeout=60)
+        api, cli = both("tag", "dctl-no-such:image", tag)
+        assert api[0] == cli[0] == 1, (engine, api, cli)
+    finally:
+        subprocess.run(["docker", "-H", engine, "rm", "-f", name], capture_output=True, timeout=60)
+
+
+def inspect_id(engine: str, ref: str) -> str:
+    return subprocess.run(["docker", "-H", engine, "image", "inspect", "--format", "{{.Id}}", ref],
+                          capture_output=True, text=True, timeout=60).stdout.strip()
 
 
 def one_image_under_several_ids(c: TestCluster, tmp_path: Path) -> None:

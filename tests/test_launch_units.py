@@ -61,7 +61,8 @@ def test_plan_shows_the_spec_label_and_health_watches_every_host():
     health = plan.stage("health").actions
     assert [a.host for a in health] == ["spark1", "spark2", "spark3", "spark4"]
     assert "/v1/chat/completions" in health[0].api and "Count from 1 to 10." in health[0].api
-    assert all("deployctl.deployment=spark4" in a.command for a in health[1:])
+    # every host's containers listed by the deployment's label (list_argv: hostside/host_read.py's list form)
+    assert all(json.loads(a.command[3])["label"] == "deployctl.deployment=spark4" for a in health[1:])
 
 
 def staged_texts(folder: str, layers: dict | None, rank: int, manifest: bool = True) -> dict:

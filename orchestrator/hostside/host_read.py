@@ -1,5 +1,11 @@
-"""What launch, status and releases read from a host, in one program: runs ON A HOST (standard library
-only) as `python3 -c SOURCE SPEC` (orchestrator/launch/commands.py read_argv builds it).
+"""What deployctl asks of a host's Docker engine, in one program per round trip: runs ON A HOST
+(standard library only) as `python3 -c SOURCE SPEC`; three forms of SPEC:
+
+  launch's read (launch/commands.py read_argv): the sections below;
+  the container list (launch/commands.py list_argv: health, status, down): the host's clock, then
+      `docker inspect` JSON of the deployment's containers, as the shell version printed it;
+  a batch (executors/host_batch.py: preflight, ship, releases): {"batch": [argv, ...]}, each argv
+      answered in turn, printed as one JSON list of {"rc", "out", "err"}.
 
 One process instead of a shell script starting two interpreters and three docker processes: on a
 connection with a command agent (orchestrator/executors/command_agent.py) a `python3 -c` request
@@ -8,6 +14,12 @@ socket (the inventory's docker_host; the default) is asked through its API (Engi
 answers the docker CLI gives. Any other engine URL gets the `docker -H ENGINE` commands (argv built by
 executors/docker_cli.py), run without a shell. launch and status read every host at least once per
 run, so at 8 hosts this is most of what a no-op `up` costs the hosts.
+
+In a batch, a `docker -H unix://...` argv of a form whose output the CLI defines (cli_form: `info`,
+`image inspect` and `container inspect` with a --format of {{.Field}} / {{json .Field}} actions,
+`ps -q`, `image ls -q`, `tag`) is answered through the API as that CLI prints it (tests/test_engines.py
+compares the two on Docker 20.10, 26 and 26 with the containerd store); every other argv (uname, df,
+another engine, another form) runs as the process it names, without a shell.
 
 SPEC (argv[1], JSON): facts, staged (the two scripts, each run as `python3 -c SCRIPT ARGS` would run
 it: a fresh __main__, its own sys.argv, its stdout captured), facts_args ([] on one node: no network
@@ -26,6 +38,7 @@ import contextlib
 import http.client
 import io
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -82,14 +95,24 @@ class EngineAPI:
     def __init__(self, engine: str, timeout: float = 60.0):
         self.engine, self.path, self.timeout = engine, engine[len("unix://"):], timeout
 
-    def _get(self, url: str) -> tuple[int, bytes]:
+    def _get(self, url: str, method: str = "GET") -> tuple[int, bytes]:
         conn = _UnixHTTP(self.path, self.timeout)
         try:
-            conn.request("GET", url)
+            conn.request(method, url)
             r = conn.getresponse()
             return r.status, r.read()
         finally:
             conn.close()
+
+    def json(self, url: str, method: str = "GET") -> tuple[int, object, str]:
+        """(0, the answer's JSON, "") or (1, None, the CLI's error text)."""
+        try:
+            status, body = self._get(url, method)
+        except OSError as e:
+            return 1, None, self.down(e)
+        if status // 100 != 2:
+            return 1, None, "Error response from daemon: " + _message(body) + "\n"
+        return 0, (json.loads(body) if body.strip() else None), ""
 
     def down(self, e: OSError) -> str:     # the CLI's words, which operators and tests look for
         return (f"Cannot connect to the Docker daemon at {self.engine}. Is the docker daemon running? "
@@ -135,6 +158,149 @@ def _message(body: bytes) -> str:
         return body.decode(errors="replace").strip()
 
 
+# -- a batch: docker CLI forms answered through the API ----------------------------------------------
+
+ACTION = re.compile(r"\{\{\s*(json\s+)?\.([A-Za-z0-9_.]*)\s*\}\}")
+
+
+def _go_json(value: object) -> str:
+    """What Go's `json` template function prints: compact, <>& escaped, UTF-8 kept."""
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def render(fmt: str, doc: object) -> str | None:
+    """FMT (only {{.A.B}} and {{json .A.B}} actions) over DOC, as Go's text/template prints it; None
+    for a form this does not know (another action, a non-scalar printed without json)."""
+    if "{{" in ACTION.sub("", fmt):
+        return None
+    out, pos = [], 0
+    for m in ACTION.finditer(fmt):
+        value = doc
+        for key in filter(None, m.group(2).split(".")):
+            value = value.get(key) if isinstance(value, dict) else None
+        if m.group(1):
+            text = _go_json(value)
+        elif isinstance(value, str):
+            text = value
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int):
+            text = str(value)
+        else:
+            return None
+        out += [fmt[pos:m.start()], text]
+        pos = m.end()
+    return "".join(out) + fmt[pos:]
+
+
+def _inspect(api: EngineAPI, kind: str, fmt: str, refs: list[str]) -> tuple[int, str, str] | None:
+    """`docker image|container inspect --format FMT REFS...`: a line per ref, errors on stderr."""
+    out, err = "", ""
+    path = "/images/{}/json" if kind == "image" else "/containers/{}/json"
+    for ref in refs:
+        rc, doc, e = api.json(path.format(urllib.parse.quote(ref, safe="/:@")))
+        if rc:
+            if "Cannot connect" in e:
+                return 1, out, err + e
+            err += e
+            continue
+        line = render(fmt, doc)
+        if line is None:
+            return None
+        out += line + "\n"
+    return (1 if err else 0), out or "\n", err       # the CLI prints an empty line when none is found
+
+
+def _split_ref(ref: str) -> tuple[str, str]:
+    """'repo/name:tag' -> (repo/name, tag); no tag -> latest (as `docker tag` reads it)."""
+    name, _, tag = ref.rpartition(":")
+    if not name or "/" in tag:
+        return ref, "latest"
+    return name, tag
+
+
+def _ps_form(args: list[str]) -> tuple[str, bool, bool] | None:
+    """`ps -q [-a] [--no-trunc] --filter label=X` -> (X, all, no-trunc); None for any other form."""
+    label, flags, it = None, set(), iter(args)
+    for x in it:
+        if x == "--filter" and label is None:
+            f = next(it, "")
+            if not f.startswith("label="):
+                return None
+            label = f[len("label="):]
+        elif x in ("-q", "-a", "-aq", "--no-trunc"):
+            flags.update({"-aq": {"-a", "-q"}}.get(x, {x}))
+        else:
+            return None
+    if label is None or "-q" not in flags:
+        return None
+    return label, "-a" in flags, "--no-trunc" in flags
+
+
+def cli_form(api: EngineAPI, args: list[str]) -> tuple[int, str, str] | None:
+    """ARGS (after `docker -H ENGINE`) answered through the API as the CLI prints them, or None for
+    a form not known here (then the CLI runs). The forms deployctl uses (see the module doc)."""
+    a = list(args)
+    if len(a) == 3 and a[0] == "info" and a[1] == "--format":
+        rc, doc, err = api.json("/info")
+        line = render(a[2], doc) if rc == 0 else ""
+        return None if line is None else (rc, line + "\n" if rc == 0 else "", err)
+    if len(a) >= 5 and a[0] in ("image", "container") and a[1] == "inspect" and a[2] == "--format":
+        return _inspect(api, a[0], a[3], a[4:])
+    if len(a) == 3 and a[0] == "tag":
+        repo, tag = _split_ref(a[2])
+        q = urllib.parse.urlencode({"repo": repo, "tag": tag})
+        rc, _, err = api.json(f"/images/{urllib.parse.quote(a[1], safe='/:@')}/tag?{q}", "POST")
+        return rc, "", err
+    if a[:1] == ["ps"]:
+        ps = _ps_form(a[1:])
+        if ps is not None:
+            label, every, full = ps
+            q = {"filters": json.dumps({"label": [label]}), **({"all": "1"} if every else {})}
+            rc, docs, err = api.json("/containers/json?" + urllib.parse.urlencode(q))
+            return rc, "".join((d["Id"] if full else d["Id"][:12]) + "\n" for d in docs or []), err
+    if a == ["image", "ls", "-aq", "--no-trunc"]:
+        # one line per image (the CLI repeats an ID once per extra tag; callers take the set)
+        rc, docs, err = api.json("/images/json?all=1")
+        return rc, "".join(d["Id"] + "\n" for d in docs or []), err
+    return None
+
+
+def answer(argv: list[str], timeout: float) -> tuple[int, str, str]:
+    """One argv of a batch: through the API when it is a known CLI form on a unix:// engine."""
+    if len(argv) > 3 and argv[0] == "docker" and argv[1] == "-H" and argv[2].startswith("unix://"):
+        got = cli_form(EngineAPI(argv[2], timeout), argv[3:])
+        if got is not None:
+            return got
+    p = docker(argv, timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def batch(spec: dict) -> int:
+    """Each argv in turn; {"argv": [...], "ids_from": K}: K's output words appended (none: skipped)."""
+    results: list[dict] = []
+    for item in spec["batch"]:
+        argv = item if isinstance(item, list) else item["argv"]
+        if isinstance(item, dict) and "ids_from" in item:
+            ids = results[item["ids_from"]]["out"].split()
+            if not ids:
+                results.append({"rc": 0, "out": "", "err": ""})
+                continue
+            argv = argv + sorted(set(ids), key=ids.index)
+        rc, out, err = answer(argv, spec.get("timeout", 60.0))
+        results.append({"rc": rc, "out": out, "err": err})
+    sys.stdout.write(json.dumps(results))
+    return 0
+
+
+def list_containers(spec: dict) -> int:
+    """The container list (see the module doc); exit 3 when the engine does not answer."""
+    api = EngineAPI(spec["engine"]) if spec.get("engine", "").startswith("unix://") else None
+    sys.stdout.write(f"{int(time.time())}\n")
+    return _containers(api, spec)
+
+
 def main(spec: dict) -> int:
     w = sys.stdout.write
     w("@@facts\n")
@@ -150,6 +316,11 @@ def main(spec: dict) -> int:
         rc, text = img.returncode, img.stdout + img.stderr
     w("@@image\n" + text + f"exit {rc}\n")
     w("@@containers\n" + f"{int(time.time())}\n")
+    return _containers(api, spec)
+
+
+def _containers(api: EngineAPI | None, spec: dict) -> int:
+    w = sys.stdout.write
     if api is not None:
         rc, ids, err = api.container_ids(spec["label"])
     else:
@@ -171,4 +342,5 @@ def main(spec: dict) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(json.loads(sys.argv[1])))
+    _spec = json.loads(sys.argv[1])
+    sys.exit(batch(_spec) if "batch" in _spec else list_containers(_spec) if _spec.get("list") else main(_spec))

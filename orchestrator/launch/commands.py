@@ -6,20 +6,10 @@ shell only as "$1" "$2" ... (read_argv has no shell: hostside/host_read.py gets 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from ..executors.docker_cli import docker_argv, docker_sh, engine
+from ..executors.host_batch import HOST_READ
 from .containerspec import LABEL
-
-HOST_READ = (Path(__file__).resolve().parent.parent / "hostside" / "host_read.py").read_text()
-
-
-def _list_sh(docker_host: str) -> str:
-    """Prints the host's clock (uptimes are measured there: no clock skew), then `docker inspect` of
-    every container of the deployment (any state; $1 the label filter), or nothing. Exit 3: the
-    engine does not answer."""
-    return (f'date +%s || exit 3; ids=$({docker_sh(docker_host, "ps", "-aq", "--no-trunc")} --filter "label=$1") '
-            f'|| exit 3; if [ -n "$ids" ]; then {docker_sh(docker_host, "inspect")} $ids; fi')
 
 
 def _logs_sh(docker_host: str, follow: bool) -> str:
@@ -43,7 +33,14 @@ def read_argv(docker_host: str, deployment: str, image: str, head_address: str, 
 
 
 def list_argv(docker_host: str, deployment: str) -> list[str]:
-    return ["sh", "-c", _list_sh(docker_host), "sh", f"{LABEL}={deployment}"]
+    """Prints the host's clock (uptimes are measured there: no clock skew), then `docker inspect` of
+    every container of the deployment (any state), or nothing; exit 3: the engine does not answer.
+    hostside/host_read.py's list form: the Engine API on a unix socket, else these docker argv lists."""
+    label = f"{LABEL}={deployment}"
+    spec = {"list": True, "engine": engine(docker_host), "label": label,
+            "ps": docker_argv(docker_host, "ps", "-aq", "--no-trunc", "--filter", f"label={label}"),
+            "inspect": docker_argv(docker_host, "inspect")}
+    return ["python3", "-c", HOST_READ, json.dumps(spec)]
 
 
 def logs_argv(docker_host: str, container: str, lines: int, follow: bool = False) -> list[str]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from .. import releases as rel
 from ..errors import StageFailed
+from ..executors.host_batch import run_batch
 from ..executors.shells import HostShell, Shells
 from ..executors.ssh import SSHError
 from ..outcomes import HostFailure, parallel
@@ -100,7 +101,7 @@ def same_image(dep: "Deployment", shells: Shells, ids: dict[str, str], cache_roo
 
     def config(host: str) -> str:
         sh, h = shells[host], dep.cluster.host(host)
-        r = sh.run(sh.docker("info", "--format", INFO_FORMAT), timeout=TIMEOUT_S)
+        (r,) = run_batch(sh, [sh.docker("info", "--format", INFO_FORMAT)], TIMEOUT_S)
         if r.rc != 0 or not facts_from_line(r.stdout).containerd_store:
             return ids[host]
         return manifest_of(sh, h.docker_host, ids[host], "", cache_root).config
@@ -170,10 +171,12 @@ def pin(dep: "Deployment", shells: Shells, history: list[rel.Release]) -> list[s
 
 def _pin_one(sh: HostShell, deployment: str, r: rel.Release, image_id: str) -> str:
     tag, holder = rel.pin_tag(deployment, r.number), rel.holder_name(deployment, r.number)
-    res = sh.run(sh.docker("tag", image_id, tag), timeout=TIMEOUT_S)
+    # the usual case (pinned before) in one round trip (executors/host_batch.py)
+    res, held = run_batch(sh, [sh.docker("tag", image_id, tag),
+                               sh.docker("container", "inspect", "--format", "{{.Image}}", holder)], TIMEOUT_S)
     if res.rc != 0:
         return res.stderr.strip()[-200:]
-    res = sh.run(sh.docker("container", "inspect", "--format", "{{.Image}}", holder), timeout=TIMEOUT_S)
+    res = held
     if res.rc == 0 and res.stdout.strip() == image_id:
         return ""
     if res.rc == 0:          # a holder of another image under this name: not ours to keep

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..executors.docker_cli import docker_argv
+from ..executors.host_batch import run_batch
 from ..fsutil import atomic_write_text
 from ..hostside.image_layers import layers_to_send, present_chains
 from ..signals import describe_exit, exit_text
@@ -91,34 +92,37 @@ class HeadImage:
         return sum(self.layer_sizes[i] for i in indices) + 4096 * (len(indices) + 1)
 
 
-def _sh(*commands: list[str], sep: str = "") -> str:
-    """Several argv commands as one quoted shell line (one SSH round trip), `echo SEP` between them."""
-    glue = f" && echo {shlex.quote(sep)} && " if sep else " && "
-    return glue.join(shlex.join(c) for c in commands)
+def _batch(s: "SSHSession", items: list, what: str) -> list:
+    """run_batch (one round trip), its SSHError as a ShipError saying WHAT could not be done."""
+    from ..executors.ssh import SSHError     # not at module level: plans import this module
+    try:
+        return run_batch(s, items, INSPECT_TIMEOUT)
+    except SSHError as e:
+        raise ShipError(f"{what}: {e}") from None
 
 
 def inspect_head(s: "SSHSession", image: str, docker_host: str) -> HeadImage:
-    sep = "--deployctl-history--"
-    r = s.run(_sh(docker_argv(docker_host, "info", "--format", INFO_FORMAT),
-                  docker_argv(docker_host, "image", "inspect", "--format", "{{json .}}", image),
-                  docker_argv(docker_host, "history", "--no-trunc", "--human=false", "--format", "{{.Size}}", image),
-                  sep=sep), timeout=INSPECT_TIMEOUT)
-    if r.rc != 0 and sep not in r.stdout:
-        err = (r.stderr or r.stdout).strip()
+    """The head's engine and image, with its layers' sizes, in one round trip (executors/host_batch.py)."""
+    info, r, history = _batch(s, [
+        docker_argv(docker_host, "info", "--format", INFO_FORMAT),
+        docker_argv(docker_host, "image", "inspect", "--format", "{{json .}}", image),
+        docker_argv(docker_host, "history", "--no-trunc", "--human=false", "--format", "{{.Size}}", image)],
+        f"cannot read the head's Docker engine ({docker_host})")
+    if info.rc != 0 or r.rc != 0:
+        bad = info if info.rc != 0 else r
+        err = (bad.stderr or bad.stdout).strip()
         if "No such image" in err or "no such image" in err.lower():
             raise ShipError(f"image {image} is not in the head's engine ({docker_host}): build it there "
                             f"first (deployctl build) or pass --image")
-        raise ShipError(f"`docker image inspect {image}` on the head failed (exit {r.rc}): {err[-500:]}",
-                        rc=r.rc)
-    info, _, rest = r.stdout.partition(sep)
-    inspect, _, history = rest.partition(sep)
-    doc = json.loads(inspect)
+        raise ShipError(f"`docker image inspect {image}` on the head failed (exit {bad.rc}): {err[-500:]}",
+                        rc=bad.rc)
+    doc = json.loads(r.stdout)
     diff_ids = tuple(doc["RootFS"].get("Layers") or ())
     if not diff_ids:
         raise ShipError(f"image {image} on the head has no layers to ship")
     return HeadImage(image, doc["Id"], diff_ids, int(doc.get("Size") or 0),
-                     history_layer_sizes(history, len(diff_ids)) if r.rc == 0 else None,
-                     engine=facts_from_line(info), arch=str(doc.get("Architecture") or ""))
+                     history_layer_sizes(history.stdout, len(diff_ids)) if history.rc == 0 else None,
+                     engine=facts_from_line(info.stdout), arch=str(doc.get("Architecture") or ""))
 
 
 def with_manifest(s: "SSHSession", head: HeadImage, docker_host: str, cache_root: str | None) -> HeadImage:
@@ -226,22 +230,24 @@ def normal_ref(ref: str) -> str:
 
 
 def probe_worker(s: "SSHSession", docker_host: str) -> WorkerImages:
-    """The worker's engine and every image in it with its tags and layers, in one SSH round trip."""
-    info = shlex.join(docker_argv(docker_host, "info", "--format", INFO_FORMAT))
-    ls = shlex.join(docker_argv(docker_host, "image", "ls", "-aq", "--no-trunc"))
-    inspect = shlex.join(docker_argv(docker_host, "image", "inspect", "--format",
-                                     "{{.Id}} {{json .RepoTags}} {{json .RootFS.Layers}}"))
-    cmd = f'{info} || exit 3; ids=$({ls}) || exit 3; [ -z "$ids" ] || {inspect} $ids'
-    r = s.run(cmd, timeout=INSPECT_TIMEOUT)
-    if r.rc != 0:              # 3: the engine does not answer; else an image went away meanwhile: once more
-        r = s.run(cmd, timeout=INSPECT_TIMEOUT) if r.rc != 3 else r
-    if r.rc != 0:
+    """The worker's engine and every image in it with its tags and layers, in one SSH round trip
+    (executors/host_batch.py: through the Engine API where the engine is a unix socket)."""
+    items = [docker_argv(docker_host, "info", "--format", INFO_FORMAT),
+             docker_argv(docker_host, "image", "ls", "-aq", "--no-trunc"),
+             {"argv": docker_argv(docker_host, "image", "inspect", "--format",
+                                  "{{.Id}} {{json .RepoTags}} {{json .RootFS.Layers}}"), "ids_from": 1}]
+    what = f"cannot read its Docker engine ({docker_host})"
+    info, ls, inspect = _batch(s, items, what)
+    if info.rc == 0 and ls.rc == 0 and inspect.rc != 0:        # an image went away meanwhile: once more
+        info, ls, inspect = _batch(s, items, what)
+    bad = next((r for r in (info, ls, inspect) if r.rc != 0), None)
+    if bad is not None:
         raise ShipError(f"its Docker engine ({docker_host}) does not answer: "
-                        f"{(r.stderr or r.stdout).strip()[-500:]}", rc=r.rc)
-    first, _, rest_lines = r.stdout.partition("\n")
+                        f"{(bad.stderr or bad.stdout).strip()[-500:]}", rc=3 if bad is not inspect else bad.rc)
+    first = info.stdout.partition("\n")[0]
     ids, tags, layers, by_id = set(), {}, [], {}
     dec = json.JSONDecoder()
-    for line in rest_lines.splitlines():
+    for line in inspect.stdout.splitlines():
         if not line.strip():
             continue
         image_id, rest = line.split(" ", 1)
@@ -258,10 +264,11 @@ def tag_and_verify(s: "SSHSession", docker_host: str, head: HeadImage, image_id:
     """Point the worker's tag at its ID for the head's image (IMAGE_ID, default the head's ID) and
     check the tag resolves to it with the head's layers (one round trip)."""
     want = image_id or head.id
-    r = s.run(_sh(docker_argv(docker_host, "tag", want, head.name),
-                  docker_argv(docker_host, "image", "inspect", "--format", "{{.Id}} {{json .RootFS.Layers}}",
-                              head.name)),
-              timeout=INSPECT_TIMEOUT)
+    tag, r = _batch(s, [docker_argv(docker_host, "tag", want, head.name),
+                        docker_argv(docker_host, "image", "inspect", "--format", "{{.Id}} {{json .RootFS.Layers}}",
+                                    head.name)], f"cannot tag {head.name} on this worker")
+    if tag.rc != 0:
+        r = tag
     got, _, layers = r.stdout.strip().partition(" ")
     try:
         same_layers = tuple(json.loads(layers or "null") or ()) == head.diff_ids
