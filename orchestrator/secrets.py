@@ -93,7 +93,13 @@ _BY_NAME = ((_QUOTED_ASSIGNMENT, 2, 3), (_FLAG, 1, 3), (_ASSIGNMENT, 1, 2), (_KE
 
 def mask_text(text: str, values: list[str] | None = None) -> str:
     """Known secret values anywhere, then values by their secret names (see the module docstring)."""
-    for v in secret_values() if values is None else values:
+    return _mask_text(text, tuple(secret_values() if values is None else values))
+
+
+@functools.lru_cache(maxsize=4096)
+def _mask_text(text: str, values: tuple[str, ...]) -> str:
+    # cached: a run record repeats the same long texts (a host program's source in every host's argv)
+    for v in values:
         text = text.replace(v, MASK)
     for pattern, name, value in _BY_NAME:
         text = pattern.sub(lambda m: _masked(m, name, value), text)

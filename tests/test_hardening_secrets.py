@@ -263,7 +263,7 @@ def test_plan_and_dry_run_write_no_run_record(tmp_path):
 
 
 def test_status_output_is_masked(monkeypatch):
-    from orchestrator.cli.launch_cmd import status_command
+    from orchestrator.cli.status_cmd import status_command
     from orchestrator.launch import lifecycle
     doc = {"deployment": "spark4", "recipe": "r", "image": "img",
            "api": {"url": "http://x:8000", "healthy": False, "detail": f"refused --hf-token {TOKEN}",

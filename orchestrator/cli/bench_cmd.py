@@ -118,7 +118,3 @@ def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, concurr
         what += [f"C={c} had failed requests" for c in rep.failed_levels]
         STDERR.print(f"[red]failed:[/red] {'; '.join(what)}", markup=True, highlight=False, soft_wrap=True)
         sys.exit(1)
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(bench_command)

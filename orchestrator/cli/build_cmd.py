@@ -53,7 +53,3 @@ def command(inventory, recipe, sets, as_json, verbose, quiet, local, ci, update_
                          chain_vars=_pairs(chain_vars, "--var"))
     run_stages(command="build", inventory=inventory, recipe=recipe, sets=tuple(sets),
                only=("build",), as_json=as_json, verbose=verbose, quiet=quiet, options=options)
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(command)

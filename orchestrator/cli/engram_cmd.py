@@ -174,8 +174,3 @@ def stage_command(inventory, recipe, sets, as_json, verbose, quiet, verify):
     run_stages(command="stage", inventory=inventory, recipe=recipe, sets=tuple(sets),
                only=("stage-engram",), as_json=as_json, verbose=verbose, quiet=quiet,
                options=RunOptions(verify=verify))
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(engram_group)
-    cli.add_command(stage_command)

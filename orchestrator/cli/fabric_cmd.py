@@ -82,7 +82,3 @@ def plan_command(inventory, recipe, sets, out, as_json):
         click.echo(f"# {d['host']}: " + ", ".join(f"{x['iface']} {x['cidr']}" for x in d["ports"]))
         for line in d["apply"]:
             click.echo(f"  {line}")
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(group)

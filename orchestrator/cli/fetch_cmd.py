@@ -31,7 +31,3 @@ def command(inventory, recipe, sets, as_json, verbose, quiet, rehash):
     run_stages(command="fetch-model", inventory=inventory, recipe=recipe, sets=tuple(sets),
                only=("fetch-model",), as_json=as_json, verbose=verbose, quiet=quiet,
                options=RunOptions(fetch_rehash=rehash))
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(command)

@@ -108,7 +108,3 @@ def _checkpoint(dep, as_json: bool, only: tuple[str, ...], skip: tuple[str, ...]
         STDERR.print(f"fetch-model: {dep.recipe.model.repo} {revision_note(r.revision, '', r.commit)}: "
                      f"{len(r.files)} files, {gb(r.total)}; {have}", markup=False, highlight=False, soft_wrap=True)
     return r.to_json()
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(plan_command)

@@ -110,7 +110,3 @@ def vars_command(inventory, recipe, sets, as_json, verbose, quiet, pyz, verify):
 def spec_command(recipe, sets):
     """Print the JSON spec `python3 deployctl-tables-*.pyz ple-write --spec` reads."""
     click.echo(json.dumps(_spec(recipe, tuple(sets)), indent=2))
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(ple_group)

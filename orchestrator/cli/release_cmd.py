@@ -159,8 +159,3 @@ def _dry_run_unread(dep: Deployment, inventory, to: int | None, extra: tuple[str
     click.echo(f"would roll back {dep.name} to release {to} with --set {sets[-1]} (plus its recorded "
                f"overrides); {note}")
     print_plan(plan, verbose=verbose)
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(history_command)
-    cli.add_command(rollback_command)

@@ -39,7 +39,3 @@ def command(inventory, recipe, sets, as_json, verbose, quiet, image, stall_timeo
                          ship_head_ssh_key=head_ssh_key, ship_head_known_hosts=head_known_hosts)
     run_stages(command="ship", inventory=inventory, recipe=recipe, sets=sets, only=("ship",),
                as_json=as_json, verbose=verbose, quiet=quiet, options=options)
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(command)

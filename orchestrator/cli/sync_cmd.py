@@ -40,7 +40,3 @@ def command(inventory, recipe, sets, as_json, verbose, quiet, io_timeout, total_
     run_stages(command="sync-model", inventory=inventory, recipe=recipe, sets=tuple(sets),
                only=("sync-model",), as_json=as_json, verbose=verbose, quiet=quiet,
                options=RunOptions(sync_model=opts))
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(command)

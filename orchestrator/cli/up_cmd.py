@@ -50,7 +50,3 @@ def up_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run, only, 
                skip=tuple(skip), as_json=as_json, verbose=verbose, quiet=quiet,
                options=RunOptions(keep_on_failure=keep_on_failure, ci=ci),
                rollback_on_failure=ci if rollback_on_failure is None else rollback_on_failure)
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(up_command)

@@ -19,6 +19,7 @@ an engine or hashes input contents.
 """
 from __future__ import annotations
 
+import functools
 import posixpath
 import re
 from dataclasses import dataclass, field, replace
@@ -285,15 +286,22 @@ def _load(cls: type, path: Path):
     return schema.from_yaml(cls, dict(raw), raw.lines, str(path))
 
 
+@functools.lru_cache(maxsize=512)
+def _template(text: str, keep_trailing_newline: bool) -> jinja2.Template:
+    """TEXT compiled once per process (a chain's values are rendered for every plan)."""
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False,
+                             keep_trailing_newline=keep_trailing_newline)
+    return env.from_string(text)
+
+
 def render_vars(raw: dict[str, str], file: str) -> dict[str, str]:
     """Render variables that use other variables until nothing changes (at most 5 rounds)."""
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
     out = dict(raw)
     for _ in range(5):
         new = {}
         for k, v in out.items():
             try:
-                new[k] = env.from_string(v).render(**out) if "{" in v else v
+                new[k] = _template(v, False).render(**out) if "{" in v else v
             except jinja2.TemplateError as e:
                 raise InputError(f"variable {k}: {e}", file=file, key=f"vars.{k}") from None
         if new == out:
@@ -304,13 +312,11 @@ def render_vars(raw: dict[str, str], file: str) -> dict[str, str]:
 
 def render_value(value, variables: dict[str, str], file: str, key: str):
     """Render every string inside VALUE (str, tuple, dict, dataclass) with VARIABLES."""
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False,
-                             keep_trailing_newline=True)
     if isinstance(value, str):
         if "{{" not in value and "{%" not in value:
             return value
         try:
-            return env.from_string(value).render(**variables)
+            return _template(value, True).render(**variables)
         except jinja2.TemplateError as e:
             raise InputError(f"{e} (variables: {', '.join(sorted(variables))})", file=file, key=key) from None
     if isinstance(value, tuple):

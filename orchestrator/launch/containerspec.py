@@ -3,6 +3,7 @@ and the container around it. Pure: facts detected on hosts come in as arguments.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -121,7 +122,9 @@ def _argval(v: Any) -> str:
     return str(v)
 
 
+@functools.lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
+    """One environment per process: it keeps the templates it compiled (a plan renders one per host)."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(RECIPES_DIR / "engines")),
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined,
                              autoescape=False, keep_trailing_newline=False)

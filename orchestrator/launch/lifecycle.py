@@ -1,5 +1,5 @@
 """Lifecycle of a running deployment: status, logs (tail and follow), down (and the removal launch's
-cleanups use). The CLI (cli/launch_cmd.py) only parses arguments and prints what these return.
+cleanups use). The CLI (cli/launch_cmd.py, cli/status_cmd.py) only parses arguments and prints what these return.
 
 `down` and the cleanups list the containers again after removing them: a host is reported clear
 only when no container of the deployment is left on it; a host that cannot be reached is a failure.
@@ -7,6 +7,7 @@ only when no container of the deployment is left on it; a host that cannot be re
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import apikey
@@ -88,11 +89,17 @@ def host_status(dep: "Deployment", sh: HostShell) -> dict[str, Any]:
 
 def cluster_status(dep: "Deployment") -> dict[str, Any]:
     names = [h.name for h in dep.cluster.hosts]
-    with Shells(dep.cluster, CLEANUP_CONNECT_S) as shells:
-        rows = parallel(names, lambda n: host_status(dep, shells[n]))
     r = dep.recipe
-    with api.http_client(dep.api_key) as client:
-        chk = api.check(client, dep.api_url, r.engine.served_name, None, 1, r.health.request_timeout_s, dep.api_key)
+
+    def ask_api() -> api.ApiCheck:
+        with api.http_client(dep.api_key) as client:
+            return api.check(client, dep.api_url, r.engine.served_name, None, 1, r.health.request_timeout_s,
+                             dep.api_key)
+    with ThreadPoolExecutor(1, thread_name_prefix="status-api") as pool:
+        asked = pool.submit(ask_api)            # while the hosts answer
+        with Shells(dep.cluster, CLEANUP_CONNECT_S) as shells:
+            rows = parallel(names, lambda n: host_status(dep, shells[n]))
+        chk = asked.result()
     return {"deployment": dep.name, "recipe": r.name, "image": r.engine.image,
             "api": {"url": dep.api_url, "healthy": chk.ok, "detail": chk.detail, "key_rejected": chk.rejected,
                     "api_key_id": dep.api_key.key_id if dep.api_key else None},

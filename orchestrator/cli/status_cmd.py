@@ -1,0 +1,134 @@
+"""deployctl status / logs: read the running deployment, change nothing (no lock, no pipeline)."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..deployment import load_deployment
+from ..secrets import mask_data
+from .common import STDERR, deployment_options, emit_json, handle_errors
+
+def _status_table(doc: dict[str, Any]) -> Table:
+    from ..launch.containers import fmt_duration
+    t = Table(title=f"{doc['deployment']} ({doc['recipe']}, image {doc['image']})", title_justify="left")
+    for col in ("host", "rank", "container", "image ID", "uptime", "restarts", "staged data"):
+        t.add_column(col)
+    from ..launch.lifecycle import staged_summary
+    for row in doc["hosts"]:
+        name = f"{row['host']}{' (head)' if row.get('role') == 'head' else ''}"
+        if not row.get("reachable"):
+            t.add_row(name, str(row.get("rank", "")), f"[red]no answer[/red]: {escape(row.get('error', ''))}",
+                      "", "", "", "")
+            continue
+        cs = row["containers"]
+        if not cs:
+            state, img, up, rs = "[yellow]none[/yellow]", (row["image"]["id"] or "image absent")[7:19], "-", "-"
+        else:
+            c = cs[-1]
+            color = "green" if c["status"] == "running" else "red"
+            state = f"[{color}]{c['status']}[/{color}]" + (f" (exit {c['exit_code']})" if c["status"] != "running"
+                                                           else "") + (f" +{len(cs) - 1} more" if len(cs) > 1 else "")
+            img, up, rs = c["image_id"][7:19], fmt_duration(c["uptime_s"]), str(c["restart_count"])
+            if c.get("api_key_id"):
+                state += f", key id {c['api_key_id']}"
+        t.add_row(name, str(row["rank"]), state, img, up, rs, escape(staged_summary(row)))
+    return t
+
+
+@click.command("status")
+@deployment_options
+@click.option("--verify", is_flag=True,
+              help="Also re-hash every staged table on every host (in parallel) against its manifest.")
+@handle_errors
+def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify):
+    """Per host: container state, image ID, uptime, restarts, staged data; and the API's health.
+
+    Read-only (with --verify, a table found corrupt loses its manifest, so the next `up` restages it).
+    Exit 0 when every host answered (whatever their state), 1 when a host or its Docker engine could
+    not be reached, or a table failed --verify.
+    """
+    from ..launch.lifecycle import cluster_status
+    dep = load_deployment(inventory, recipe, tuple(sets))
+    doc = cluster_status(dep)
+    bad_tables = False
+    if verify:
+        doc["tables_verified"] = _verify_tables(dep)
+        bad_tables = any(not r.get("up_to_date") for rows in doc["tables_verified"].values() for r in rows.values())
+    doc = mask_data(doc)     # the table too: container errors and table reasons are hosts' text
+    if as_json:
+        emit_json(doc)
+    else:
+        out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+        out.print(_status_table(doc))
+        a = doc["api"]
+        verdict = ("[green]healthy[/green]" if a["healthy"] else
+                   "[yellow]up, but it rejects the key[/yellow]" if a.get("key_rejected") else "[red]not answering[/red]")
+        key = f"; API key id {a['api_key_id']}" if a.get("api_key_id") else ""
+        out.print(f"API {a['url']}: {verdict} ({escape(a['detail'])}){key}")
+        for host, rows in doc.get("tables_verified", {}).items():
+            for stage, r in rows.items():
+                mark = "[green]verified[/green]" if r.get("up_to_date") else "[red]NOT current[/red]"
+                out.print(f"{host} {stage}: {mark}: {escape(str(r.get('reason')))}")
+    sys.exit(0 if all(r.get("reachable") for r in doc["hosts"]) and not bad_tables else 1)
+
+
+def _verify_tables(dep) -> dict[str, dict[str, dict]]:
+    """{host: {stage: {up_to_date, reason, bytes, seconds, gb_per_s}}} (every chunk re-hashed)."""
+    import tempfile
+
+    from ..hostside import bundle
+    from ..stages.prove_tables import verify_cluster
+    with tempfile.TemporaryDirectory(prefix="deployctl-bundle-") as tmp:
+        found = verify_cluster(dep, bundle.build(tmp))
+    out: dict[str, dict[str, dict]] = {}
+    for host, res in found.items():
+        if "error" in res and isinstance(res["error"], str):
+            out[host] = {"tables": {"up_to_date": False, "reason": res["error"]}}
+            continue
+        out[host] = {}
+        for stage, d in res.items():
+            proof = d.get("proof") or {}
+            secs, n = float(proof.get("seconds") or 0), int(proof.get("bytes") or 0)
+            out[host][stage] = {"up_to_date": d.get("up_to_date") is True, "reason": d.get("reason"),
+                                "bytes": n, "seconds": round(secs, 3),
+                                "gb_per_s": round(n / secs / 1e9, 2) if secs > 0 else None}
+    return out
+
+@click.command("logs")
+@deployment_options
+@click.option("--host", "hosts", multiple=True, metavar="HOST", help="Only this host (repeatable).")
+@click.option("--tail", type=click.IntRange(min=0), default=100, show_default=True,
+              help="Lines from the end of each log.")
+@click.option("--follow", "-f", is_flag=True, help="Keep streaming new lines until Ctrl-C.")
+@handle_errors
+def logs_command(inventory, recipe, sets, as_json, verbose, quiet, hosts, tail, follow):
+    """Show the engine logs (docker logs over SSH) of every host, or of --host H.
+
+    Without --follow: the last --tail lines of each host, one block per host. With --follow: the
+    lines of all selected hosts as they come, prefixed with the host, until Ctrl-C. Exit 1 when a
+    host could not be reached or has no container of the deployment.
+    """
+    from ..launch.lifecycle import follow_logs, tail_logs
+    dep = load_deployment(inventory, recipe, tuple(sets))
+    names = [dep.cluster.host(h).name for h in hosts] or [h.name for h in dep.cluster.hosts]
+    out = Console(highlight=False, soft_wrap=True)
+    if follow:
+        problems = follow_logs(dep, names, tail,
+                               lambda n, line: out.print(f"[cyan]{n}[/cyan] | {escape(line)}"))
+    else:
+        ids, docs, problems = tail_logs(dep, names, tail)
+        if as_json:
+            emit_json({"deployment": dep.name, "logs": docs, "problems": problems})
+        else:
+            for n, lines in docs.items():
+                out.print(f"[bold]==> {n} ({ids[n][:12]}) <==[/bold]")
+                for line in lines:
+                    out.print(escape(line))
+    for n, why in problems.items():
+        STDERR.print(f"[red]{n}[/red]: {escape(why)}")
+    sys.exit(1 if problems else 0)
