@@ -23,9 +23,12 @@ if TYPE_CHECKING:
 # `python3 -c IF_SAME_ZIPAPP PYZ SHA256 OP ARGS...`: run the zipapp's OP only if the host's copy is
 # this exact zipapp, else exit 1 without output. One interpreter (none on a connection with a command
 # agent, which runs `python3 -c` in a fork of itself), where `sha256sum ... && exec python3 PYZ` took
-# a shell, sha256sum and an interpreter start.
+# a shell, sha256sum and an interpreter start. The op runs from a copy of the zipapp unpacked once
+# per content next to it (PYZ.d/<sha>/), so that Python caches its bytecode there: modules imported
+# from a zip are compiled from source on every run (~0.1 s of CPU per check, per host, per stage).
+# Any trouble unpacking (read-only, no space) runs it from the zip as before.
 IF_SAME_ZIPAPP = """
-import hashlib, runpy, sys
+import hashlib, os, runpy, shutil, sys, tempfile, zipfile
 pyz, want = sys.argv[1], sys.argv[2]
 try:
     with open(pyz, "rb") as f:
@@ -34,8 +37,21 @@ except OSError:
     same = False
 if not same:
     sys.exit(1)
+root = pyz + ".d"
+tree = os.path.join(root, want[:16])
+if not os.path.isfile(os.path.join(tree, "__main__.py")):
+    try:
+        os.makedirs(root, exist_ok=True)
+        for old in os.listdir(root):
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        tmp = tempfile.mkdtemp(dir=root, prefix=".unpack-")
+        with zipfile.ZipFile(pyz) as z:
+            z.extractall(tmp)
+        os.rename(tmp, tree)
+    except OSError:
+        tree = pyz
 sys.argv = [pyz, *sys.argv[3:]]
-runpy.run_path(pyz, run_name="__main__")
+runpy.run_path(tree, run_name="__main__")
 """
 
 
