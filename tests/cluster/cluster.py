@@ -7,7 +7,14 @@ Layout of a cluster named NAME (state folder S = /var/lib/deployctl-testcluster/
   S/id_ed25519[.pub]      the client key; S/authorized_keys; S/known_hosts (every host's address + key)
   S/inventory.yml         deployctl's inventory for this cluster
   S/nodeK/                one folder per host: sshd_config, host key, sshd.pid, docker.sock,
-                          dockerd.pid, docker/ (data root), run/ (exec root), nvme/, models/
+                          dockerd.pid, docker/ (data root), run/ (exec root), nvme/, models/, home/
+
+Logins: root on host K gets HOME=S/nodeK/home (sshd SetEnv), holding the distribution's default
+dotfiles (/etc/skel), as a separate machine's root account would. Without it every host would run
+THIS machine's /root/.bashrc, which bash sources for each command sshd runs: here it initialises
+pyenv, ~0.2 s of CPU per login, paid by all the hosts on this machine's two CPUs at once, a cost no
+DGX Spark has (Debian's and Ubuntu's default ~/.bashrc return at once when not interactive).
+OpenSSH's client still reads /root/.ssh (it takes the home from the password database).
 
 Network: bridge dctl<i>br in the root namespace with 10.213.<i>.1/24, host K = namespace dctl-NAME-nodeK
 with eth0 = 10.213.<i>.(10+K)/24, where i = 0 for NAME "local" and a hash of NAME otherwise. The
@@ -638,6 +645,21 @@ def cleanup(name: str, log: Callable[[str], None] = lambda m: None) -> list[str]
 # ---------------------------------------------------------------------------------------------------
 # The cluster
 
+SKEL = Path("/etc/skel")
+# when the distribution ships no /etc/skel: what Debian's ~/.bashrc does for a command run by sshd
+NON_INTERACTIVE_BASHRC = "# a test host's root: nothing to do unless interactive\ncase $- in *i*) ;; *) return;; esac\n"
+
+
+def _make_home(home: Path) -> None:
+    """A test host's root home: the distribution's default dotfiles (see the module doc: Logins)."""
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    files = [f for f in SKEL.iterdir() if f.is_file()] if SKEL.is_dir() else []
+    for f in files:
+        shutil.copyfile(f, home / f.name)
+    if not (home / ".bashrc").exists():
+        _write_atomic(home / ".bashrc", NON_INTERACTIVE_BASHRC)
+
+
 def _sshd_config(c: "TestCluster", h: TestHost) -> str:
     return "\n".join([
         f"# sshd for test host {h.name} of cluster {c.name} (tests/cluster)",
@@ -654,8 +676,9 @@ def _sshd_config(c: "TestCluster", h: TestHost) -> str:
         "PrintMotd no",
         "MaxStartups 200",                       # tests open many connections at once
         "MaxSessions 100",
-        # `docker` over SSH talks to this host's own engine, with the CLI of that engine's release
-        f"SetEnv DOCKER_HOST={h.docker_host} PATH={c.engine_of(h).path_env()}",
+        # `docker` over SSH talks to this host's own engine, with the CLI of that engine's release;
+        # root's home is the host's own (see the module doc: Logins)
+        f"SetEnv DOCKER_HOST={h.docker_host} PATH={c.engine_of(h).path_env()} HOME={h.dir / 'home'}",
         "Subsystem sftp internal-sftp",
         "",
     ])
@@ -789,6 +812,7 @@ class TestCluster:
         for h in self.hosts:
             for sub in (h.dir, h.nvme_dir, h.model_cache, h.dir / "docker", h.dir / "run"):
                 sub.mkdir(parents=True, exist_ok=True)
+            _make_home(h.dir / "home")
             procs.append(subprocess.Popen(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"{h.name}",
                                            "-f", str(h.dir / "ssh_host_ed25519_key")], stdout=subprocess.DEVNULL))
         for p in procs:
