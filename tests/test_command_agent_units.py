@@ -82,6 +82,11 @@ def test_python_programs_run_in_a_fork_as_a_fresh_interpreter_would(ag):
     # a fresh interpreter each time: nothing one program sets is seen by the next
     ag.call(argv=py("import json; json.marker = 1"))
     assert ag.call(argv=py("import json; print(hasattr(json, 'marker'))"))["out"] == "False\n"
+    # the same source again (compiled once by the agent) runs afresh with its own argv
+    counter = "import sys; n = globals().get('n', 0) + 1; print(n, sys.argv[1:])"
+    assert [ag.call(argv=py(counter, str(i)))["out"] for i in (1, 2)] == ["1 ['1']\n", "1 ['2']\n"]
+    r = ag.call(argv=py("def f(:\n  pass"))                          # as the interpreter reports it
+    assert r["rc"] == 1 and "SyntaxError" in r["err"] and "command_agent" not in r["err"], r["err"]
 
 
 def test_what_runs_in_a_fork_and_what_does_not():
