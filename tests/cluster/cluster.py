@@ -15,6 +15,8 @@ THIS machine's /root/.bashrc, which bash sources for each command sshd runs: her
 pyenv, ~0.2 s of CPU per login, paid by all the hosts on this machine's two CPUs at once, a cost no
 DGX Spark has (Debian's and Ubuntu's default ~/.bashrc return at once when not interactive).
 OpenSSH's client still reads /root/.ssh (it takes the home from the password database).
+DCTL_HOST_HOME=shared when the cluster is made: the hosts share /root as before (bench/README.md
+compares the two).
 
 Network: bridge dctl<i>br in the root namespace with 10.213.<i>.1/24, host K = namespace dctl-NAME-nodeK
 with eth0 = 10.213.<i>.(10+K)/24, where i = 0 for NAME "local" and a hash of NAME otherwise. The
@@ -678,7 +680,8 @@ def _sshd_config(c: "TestCluster", h: TestHost) -> str:
         "MaxSessions 100",
         # `docker` over SSH talks to this host's own engine, with the CLI of that engine's release;
         # root's home is the host's own (see the module doc: Logins)
-        f"SetEnv DOCKER_HOST={h.docker_host} PATH={c.engine_of(h).path_env()} HOME={h.dir / 'home'}",
+        f"SetEnv DOCKER_HOST={h.docker_host} PATH={c.engine_of(h).path_env()}"
+        + ("" if os.environ.get("DCTL_HOST_HOME") == "shared" else f" HOME={h.dir / 'home'}"),
         "Subsystem sftp internal-sftp",
         "",
     ])
