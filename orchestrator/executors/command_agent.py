@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from .ssh import SSHSession
 
 SOURCE = (Path(__file__).resolve().parent.parent / "hostside" / "command_agent.py").read_text()
-LOCK_BUSY = 75              # the agent's answer when another process holds the lock
 START_TIMEOUT_S = 20.0      # login shell + python3 start-up on a loaded host
 REPLY_GRACE_S = 10.0        # past the command's own timeout: the agent kills it and answers
 MAX_FRAME = 1 << 31
@@ -42,7 +41,6 @@ class AgentUnavailable(Exception):
 class CommandAgent:
     def __init__(self, session: "SSHSession"):
         self.host = session.target.host
-        self.locks: set[str] = set()       # paths this agent holds a lock on (its own process)
         self.broken = False                # a request failed mid-frame: the channel is out of step
         # a shell line: the login shell hands the agent its own environment (see the agent's doc)
         self.ch: paramiko.Channel = session.channel_for(
@@ -106,17 +104,14 @@ class CommandAgent:
 
     def lock(self, path: str, holder: str, timeout: float) -> Result:
         """flock PATH without waiting, held by the agent until unlock() or its end (see the agent's
-        doc): rc 0 taken, LOCK_BUSY held by another process (stdout: the holder it wrote)."""
+        doc): rc 0 taken, LOCK_BUSY (hostside/command_agent.py) held by another process (stdout:
+        the holder it wrote)."""
         doc = self._request({"lock": path, "holder": holder}, f"a lock on {path}", timeout)
-        self.locks.add(path)
-        if int(doc["rc"]) != 0:
-            self.locks.discard(path)
         return Result(int(doc["rc"]), base64.b64decode(doc.get("out", "")).decode(errors="replace"),
                       base64.b64decode(doc.get("err", "")).decode(errors="replace"))
 
     def unlock(self, path: str, timeout: float = 10.0) -> None:
         self._request({"unlock": path}, f"the release of {path}", timeout)
-        self.locks.discard(path)
 
     def close(self) -> None:
         try:

@@ -3,7 +3,7 @@
     results = run_batch(session, [["uname", "-m"], docker_argv(h, "info", "--format", "{{json .}}")])
 
 Each argv is answered in turn on the host and comes back as its own Result, as if it had run alone:
-a `docker -H unix://...` argv of a form whose output the CLI defines (host_read.py CLI_FORMS) through
+a `docker -H unix://...` argv of a form whose output the CLI defines (host_read.py cli_form) through
 the Engine API, any other as the process it names (no shell). The point is cost, not semantics: one
 agent request (executors/command_agent.py: a fork, no interpreter start) instead of a request and a
 Go process per docker command, which at 8 hosts was most of what a no-op `up` cost the hosts.

@@ -74,7 +74,7 @@ class _Agents:
 
     def _give_back(self, agent: CommandAgent) -> None:
         with self.cond:
-            if len(self.idle) < IDLE_AGENTS or agent.locks:     # an agent holding a lock lives on
+            if len(self.idle) < IDLE_AGENTS or agent in self.locked.values():   # a lock holder lives on
                 self.idle.append(agent)
                 self.cond.notify_all()
                 return

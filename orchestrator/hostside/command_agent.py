@@ -162,7 +162,7 @@ def _python_child(source: str, args: list[str], env: dict[str, str], program: ob
     os._exit(code & 0xFF)
 
 
-LOCK_BUSY = 75
+LOCK_BUSY = 75      # a lock held by another process: what `flock -E 75` exits with (launch/lock.py)
 # What deployctl's host programs import (host_read.py, modelsync.py, the tables zipapp's check):
 # loaded once here, so a forked program finds them in sys.modules instead of importing them again
 # (http.client alone is ~20 ms of CPU: it pulls in the email package).
@@ -191,12 +191,11 @@ def take_lock(locks: dict[str, int], path: str, holder: str) -> dict:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         try:
-            held = os.pread(fd, 4096, 0) if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else b""
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):        # another process holds it
+                return {"rc": LOCK_BUSY, "out": _b64(os.pread(fd, 4096, 0)), "err": ""}
+            return {"rc": 1, "out": "", "err": _b64(f"flock {path}: {e}\n".encode())}
         finally:
             os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return {"rc": LOCK_BUSY, "out": _b64(held), "err": ""}
-        return {"rc": 1, "out": "", "err": _b64(f"flock {path}: {e}\n".encode())}
     os.ftruncate(fd, 0)
     os.pwrite(fd, holder.encode() + b"\n", 0)
     locks[path] = fd

@@ -151,6 +151,11 @@ class EngineAPI:
         return (1 if err else 0), json.dumps(docs), err
 
 
+def engine_api(engine: str, timeout: float = 60.0) -> EngineAPI | None:
+    """The API of ENGINE when it is a unix socket (asked directly); None: use the docker CLI."""
+    return EngineAPI(engine, timeout) if engine.startswith("unix://") else None
+
+
 def _message(body: bytes) -> str:
     try:
         return str(json.loads(body).get("message") or body.decode(errors="replace"))
@@ -269,10 +274,10 @@ def cli_form(api: EngineAPI, args: list[str]) -> tuple[int, str, str] | None:
 
 def answer(argv: list[str], timeout: float) -> tuple[int, str, str]:
     """One argv of a batch: through the API when it is a known CLI form on a unix:// engine."""
-    if len(argv) > 3 and argv[0] == "docker" and argv[1] == "-H" and argv[2].startswith("unix://"):
-        got = cli_form(EngineAPI(argv[2], timeout), argv[3:])
-        if got is not None:
-            return got
+    api = engine_api(argv[2], timeout) if len(argv) > 3 and argv[:2] == ["docker", "-H"] else None
+    got = cli_form(api, argv[3:]) if api is not None else None
+    if got is not None:
+        return got
     p = docker(argv, timeout)
     return p.returncode, p.stdout, p.stderr
 
@@ -296,7 +301,7 @@ def batch(spec: dict) -> int:
 
 def list_containers(spec: dict) -> int:
     """The container list (see the module doc); exit 3 when the engine does not answer."""
-    api = EngineAPI(spec["engine"]) if spec.get("engine", "").startswith("unix://") else None
+    api = engine_api(spec.get("engine", ""))
     sys.stdout.write(f"{int(time.time())}\n")
     return _containers(api, spec)
 
@@ -308,7 +313,7 @@ def main(spec: dict) -> int:
         w(run_script(spec["facts"], spec["facts_args"]))
     w("@@staged\n")
     w(run_script(spec["staged"], spec["staged_args"]))
-    api = EngineAPI(spec["engine"]) if spec.get("engine", "").startswith("unix://") else None
+    api = engine_api(spec.get("engine", ""))
     if api is not None:
         rc, text = api.image_id(spec["image"])
     else:

@@ -25,10 +25,8 @@ def read_argv(docker_host: str, deployment: str, image: str, head_address: str, 
     go to the program as JSON."""
     spec = {"facts": facts_script, "facts_args": [head_address] if head_address else [],
             "staged": staged_script, "staged_args": [engram_dir, ple_dir],
-            "engine": engine(docker_host), "image": image, "label": f"{LABEL}={deployment}",
-            "image_inspect": docker_argv(docker_host, "image", "inspect", "--format", "{{.Id}}", image),
-            "ps": docker_argv(docker_host, "ps", "-aq", "--no-trunc", "--filter", f"label={LABEL}={deployment}"),
-            "inspect": docker_argv(docker_host, "inspect")}
+            "image": image, "image_inspect": docker_argv(docker_host, "image", "inspect", "--format", "{{.Id}}", image),
+            **_containers_spec(docker_host, deployment)}
     return ["python3", "-c", HOST_READ, json.dumps(spec)]
 
 
@@ -36,11 +34,16 @@ def list_argv(docker_host: str, deployment: str) -> list[str]:
     """Prints the host's clock (uptimes are measured there: no clock skew), then `docker inspect` of
     every container of the deployment (any state), or nothing; exit 3: the engine does not answer.
     hostside/host_read.py's list form: the Engine API on a unix socket, else these docker argv lists."""
+    return ["python3", "-c", HOST_READ, json.dumps({"list": True, **_containers_spec(docker_host, deployment)})]
+
+
+def _containers_spec(docker_host: str, deployment: str) -> dict:
+    """How host_read.py lists the deployment's containers: the engine (its API when a unix socket),
+    the label, and the CLI's argv for the same (ids of every container with the label, then inspect)."""
     label = f"{LABEL}={deployment}"
-    spec = {"list": True, "engine": engine(docker_host), "label": label,
+    return {"engine": engine(docker_host), "label": label,
             "ps": docker_argv(docker_host, "ps", "-aq", "--no-trunc", "--filter", f"label={label}"),
             "inspect": docker_argv(docker_host, "inspect")}
-    return ["python3", "-c", HOST_READ, json.dumps(spec)]
 
 
 def logs_argv(docker_host: str, container: str, lines: int, follow: bool = False) -> list[str]:

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 
 from ..errors import StageFailed
 from ..executors.ssh import RemoteExec, SSHError, SSHSession, SSHTarget, command_line
+from ..hostside.command_agent import LOCK_BUSY
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
 
 LOCK_DIR = "/var/lock"
-BUSY = 75                    # flock -E (and the agent): the lock is held by someone else
+BUSY = LOCK_BUSY             # flock -E (and the agent's answer): the lock is held by someone else
 ACQUIRE_TIMEOUT_S = 20.0
 
 
