@@ -42,6 +42,10 @@ class Release:
     # host -> that host's image ID, kept only where the hosts' IDs differ: the same image has its
     # manifest digest as ID on a containerd-store engine, its config digest elsewhere
     image_ids: dict[str, str] = field(default_factory=dict)
+    # the checkpoint it served (checkpoint_of): repo, revision as the recipe wrote it, the commit the run
+    # resolved it to, and the digest of the manifest sync-model verified the nodes against; or the
+    # recipe's plain folder (dir). Empty in histories written before releases recorded it.
+    checkpoint: dict[str, str] = field(default_factory=dict)
 
     def image_on(self, host: str) -> str:
         """The release's image ID in HOST's engine."""
@@ -52,7 +56,8 @@ class Release:
                 "recipe": self.recipe, "recipe_ref": self.recipe_ref, "overrides": list(self.overrides),
                 "specs": dict(self.specs), "tables": {h: dict(t) for h, t in self.tables.items()},
                 "run_dir": self.run_dir, "command": self.command, "rollback_of": self.rollback_of,
-                **({"image_ids": dict(self.image_ids)} if self.image_ids else {})}
+                **({"image_ids": dict(self.image_ids)} if self.image_ids else {}),
+                "checkpoint": dict(self.checkpoint)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Release":
@@ -61,12 +66,19 @@ class Release:
                    recipe_ref=d.get("recipe_ref"), overrides=tuple(d.get("overrides") or ()),
                    specs=dict(d.get("specs") or {}), tables={h: dict(t) for h, t in (d.get("tables") or {}).items()},
                    run_dir=str(d.get("run_dir", "")), command=str(d.get("command", "")),
-                   rollback_of=d.get("rollback_of"), image_ids=dict(d.get("image_ids") or {}))
+                   rollback_of=d.get("rollback_of"), image_ids=dict(d.get("image_ids") or {}),
+                   checkpoint={k: str(v) for k, v in (d.get("checkpoint") or {}).items()})
 
     def describe(self) -> str:
         what = f"rollback of {self.rollback_of}" if self.rollback_of is not None else self.command
         return (f"release {self.number} ({what}, {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.time))} UTC): "
-                f"image {short_id(self.image_id)} ({self.image})")
+                f"image {short_id(self.image_id)} ({self.image})" + (f", {self.served()}" if self.checkpoint else ""))
+
+    def served(self) -> str:
+        """The checkpoint in a few words: repo@commit (manifest), or the folder."""
+        c = self.checkpoint
+        what = f"{c.get('repo', '')}@{c['commit'][:12]}" if c.get("commit") else c.get("dir", "")
+        return what + (f" (manifest {c['manifest'][:12]})" if c.get("manifest") else "")
 
 
 def short_id(image_id: str) -> str:
@@ -149,8 +161,30 @@ def masked_overrides(release: Release) -> tuple[str, ...]:
     return tuple(o for o in release.overrides if o.endswith(MASKED))
 
 
+def checkpoint_of(repo: str, revision: str, commit: str, folder: str, manifest: str) -> dict[str, str]:
+    """What a release records of its checkpoint: the Hub repo, the revision the recipe named and the
+    commit the run resolved it to (FOLDER: the recipe's plain checkpoint_dir instead), and the
+    manifest digest sync-model verified the nodes against ("" when no sync-model ran)."""
+    if folder:
+        return {"dir": folder, "manifest": manifest}
+    return {"repo": repo, "revision": revision, "commit": commit, "manifest": manifest}
+
+
+def with_manifest(checkpoint: dict[str, str], history: list[Release]) -> dict[str, str]:
+    """CHECKPOINT, its manifest digest taken from the newest release of the same commit (or folder)
+    when this run verified none (a launch or rollback without sync-model serves the same bytes)."""
+    if checkpoint.get("manifest"):
+        return checkpoint
+    same = [r for r in history if r.checkpoint.get("manifest")
+            and all(r.checkpoint.get(k) == checkpoint.get(k) for k in ("repo", "commit", "dir"))]
+    return {**checkpoint, "manifest": same[-1].checkpoint["manifest"]} if same else checkpoint
+
+
 def rollback_sets(deployment: str, release: Release, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """--set values that relaunch RELEASE: its own overrides (but the secret ones, never recorded), EXTRA
-    (the operator's --set, e.g. those secrets), then its image by the pin tag (last wins)."""
+    (the operator's --set, e.g. those secrets), then (last wins) the commit it served, so a branch that
+    moved since is not resolved again, and its image by the pin tag."""
     own = tuple(o for o in release.overrides if not o.endswith(MASKED))
-    return (*own, *extra, f"engine.image={pin_tag(deployment, release.number)}")
+    commit = release.checkpoint.get("commit", "")
+    pinned = (f"model.revision={commit}",) if commit else ()
+    return (*own, *extra, *pinned, f"engine.image={pin_tag(deployment, release.number)}")

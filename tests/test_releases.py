@@ -1,30 +1,38 @@
-"""#17 on the test cluster: releases, rollback, rollback on failure, pinned images, and a history that
-lives on the head. Four hosts, the TP=4 DeepSeek recipe on the engine double (scaled like
-test_hardening_cluster.py's hk4). Images A, B, D are the double with a different label each
-(different image IDs); C also has DOUBLE_FAIL=crash-at-start baked in. They are loaded into the
-head's engine only: `up` ships them to the workers. The tests run in order and share the cluster's
-state (the release history grows: 1 A, 2 B, 3 rollback of 2 after C crashed, 4 rollback of 1, ...).
-The pure decisions: tests/test_releases_units.py."""
+"""#17 and #38 on the test cluster: releases, rollback, rollback on failure, pinned images, a history
+that lives on the head, and the checkpoint commit each release served. Four hosts, the TP=4 DeepSeek
+recipe on the engine double (scaled like test_hardening_cluster.py's hk4), its checkpoint fetched from
+the cluster's own Hub endpoint as in the README demo (fetch-model onto the head, sync-model to the
+workers, stage-engram per rank): no folder is put on a host by hand. Images A, B, D are the double
+with a different label each (different image IDs); C also has DOUBLE_FAIL=crash-at-start baked in.
+They are loaded into the head's engine only: `up` ships them to the workers. The tests run in order
+and share the cluster's state (the release history grows: 1 A, 2 B, 3 rollback of 2 after C crashed,
+4 rollback of 1, ...). The pure decisions: tests/test_releases_units.py."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from orchestrator import releases as rel
 from orchestrator.deployment import load_deployment
+from tests.hub_endpoint import publish
 from tests.test_launch import (IMAGE, TP4, _docker, containers, dctl, double_image, engram_overrides,  # noqa: F401
-                               engram_synth, out, remove_all, stage_for_real, unwrap, write_inventory)
+                               engram_synth, out, remove_all, unwrap, write_inventory)
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[1]
 DEP, PORT = "rl4", 18006
-STAGES = ("--only", "ship", "--only", "stage-engram", "--only", "launch", "--only", "health")
+HUB_PORT = 18090                  # this module's own Hub endpoint (test_fetch_model's is on 18088)
+STAGES = ("--only", "ship", "--only", "fetch-model", "--only", "sync-model", "--only", "stage-engram",
+          "--only", "launch", "--only", "health")
 LOCAL = "unix:///var/run/docker.sock"
 TAGS = {"a": "dctl-rel:a", "b": "dctl-rel:b", "c": "dctl-rel:c", "d": "dctl-rel:d"}
 
@@ -47,16 +55,24 @@ def _build_images() -> dict[str, str]:
 def rl4(cluster, double_image, tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("rl4")
     synth = engram_synth(d)
-    inv = write_inventory(cluster, d / "inventory.yml", DEP, TP4, [h.name for h in cluster.hosts], PORT,
-                          {"engine.master_port": 29641, **engram_overrides(synth)})
+    overrides = {"engine.master_port": 29641, **engram_overrides(synth)}
+    hub_root, hub_host = d / "hub", cluster.hosts[-1]
+    commit = publish(hub_root, overrides["model.repo"], synth.ckpt)
+    url = cluster.start_hub(hub_host, hub_root, port=HUB_PORT)
+    inv = write_inventory(cluster, d / "inventory.yml", DEP, TP4, [h.name for h in cluster.hosts], PORT, overrides)
+    doc = yaml.safe_load(inv.read_text())
+    doc["all"]["vars"].update(model_fetch="hub", hf_endpoint=url)
+    inv.write_text(yaml.safe_dump(doc, sort_keys=False))
     dep = load_deployment(inv)
     remove_all(cluster, DEP)
     _forget_releases(cluster, dep)
+    for h in dep.cluster.hosts:                   # nothing of the model on any node: fetch-model and sync-model
+        shutil.rmtree(Path(h.model_cache) / f"models--{dep.recipe.model.repo.replace('/', '--')}", ignore_errors=True)
     ids = _build_images()
     for k in TAGS:
         cluster.load_image("node1", TAGS[k])          # the head only: ship sends them on
-    stage_for_real(inv, synth)
-    yield {"inv": inv, "dep": dep, "ids": ids, "dir": d}
+    yield {"inv": inv, "dep": dep, "ids": ids, "dir": d, "synth": synth, "hub": hub_root, "commit": commit}
+    cluster.stop_hub(hub_host)
     remove_all(cluster, DEP)
     _forget_releases(cluster, dep)
 
@@ -100,9 +116,31 @@ def _healthy(inv) -> bool:
     return json.loads(p.stdout)["api"]["healthy"] is True
 
 
+def _answers(cluster) -> str:
+    """A real chat completion from the head's API (not only container state)."""
+    req = urllib.request.Request(f"http://{cluster.hosts[0].address}:{PORT}/v1/chat/completions", method="POST",
+                                 data=json.dumps({"model": "deepseek-v4.1-flash", "max_tokens": 8,
+                                                  "messages": [{"role": "user", "content": "Count from 1 to 10."}]}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+        return json.loads(r.read())["choices"][0]["message"]["content"]
+
+
+def _mounted_snapshot(cluster) -> set[str]:
+    """The snapshots/<commit> every rank's engine was started on (its model argument)."""
+    found = set()
+    for h in cluster.hosts:
+        (cid,) = containers(cluster, h.name, DEP)
+        args = json.loads(_docker(h.docker_host, "inspect", cid).stdout)[0]["Args"]
+        found |= {a.rsplit("/snapshots/", 1)[1] for a in args if "/snapshots/" in a}
+    return found
+
+
 def _on(cluster, inv, image_id: str) -> None:
     assert set(_running(cluster).values()) == {image_id}
     assert _healthy(inv)
+    assert _answers(cluster)
 
 
 def test_ups_record_releases_and_a_no_op_adds_none(cluster, rl4):
@@ -124,6 +162,10 @@ def test_ups_record_releases_and_a_no_op_adds_none(cluster, rl4):
     assert h["current"] == 2 and h["keep"] == 3
     r1 = h["releases"][0]
     assert "engine.image=dctl-rel:a" in r1["overrides"] and r1["recipe"] == TP4
+    ck = r1["checkpoint"]                            # #38: the commit fetch-model resolved main to
+    assert (ck["repo"], ck["revision"], ck["commit"]) == (rl4["dep"].recipe.model.repo, "main", rl4["commit"]), ck
+    assert re.fullmatch(r"[0-9a-f]{16}", ck["manifest"]), "the manifest digest sync-model verified the workers against"
+    assert _mounted_snapshot(cluster) == {rl4["commit"]}
     assert sorted(r1["specs"]) == [x.name for x in cluster.hosts] and all(r1["specs"].values())
     assert all(t.get("engram") for t in r1["tables"].values()) and len(r1["tables"]) == 4
     # the run record that made it holds the same release
@@ -143,7 +185,8 @@ def test_a_crashing_image_rolls_back_to_the_last_good_release(cluster, rl4):
     assert p.returncode == 1, out(p)
     assert "stage launch failed" in text or "stage health failed" in text, text
     assert "rolled back: release 2" in text and "passed the health check" in text, text
-    _on(cluster, inv, ids["b"])
+    _on(cluster, inv, ids["b"])                       # #38: on a Hub-fetched checkpoint, B answers again
+    assert _mounted_snapshot(cluster) == {rl4["commit"]}
     h = _history(inv)
     last = h["releases"][-1]
     assert (last["number"], last["rollback_of"], last["image_id"]) == (3, 2, ids["b"])
@@ -224,6 +267,47 @@ def test_pruning_never_removes_a_kept_image(cluster, rl4):
     p = dctl("rollback", "-i", str(inv), timeout=400)         # and a kept one still comes back
     assert p.returncode == 0, out(p)
     assert _healthy(inv)
+
+
+def test_rollback_after_the_branch_moved_restores_the_commit_the_release_served(cluster, rl4, tmp_path):
+    """#38: main moves on the Hub (a new config.json), `up` serves the new commit as a new release; the
+    rollback brings back the previous release's commit (pinned, not main resolved again), with its
+    manifest, healthy; and a release whose commit is gone from the head and from the Hub is refused
+    before anything runs, naming the release and the commit."""
+    inv = rl4["inv"]
+    moved = tmp_path / "moved"
+    shutil.copytree(rl4["synth"].ckpt, moved, copy_function=os.link)
+    (moved / "config.json").unlink(missing_ok=True)
+    (moved / "config.json").write_text(json.dumps({"model_type": "deepseek_v4_1", "moved": True}))
+    new_commit = publish(rl4["hub"], rl4["dep"].recipe.model.repo, moved)
+    assert new_commit != rl4["commit"]
+    before = _history(inv)
+    prev = before["releases"][-1]
+    p = _up(inv, TAGS["a"])             # (test_pruning moved the tag: the double's own image, a new release)
+    assert p.returncode == 0, out(p)
+    h = _history(inv)
+    assert h["releases"][-1]["checkpoint"]["commit"] == new_commit, "the new release serves main's new commit"
+    assert _mounted_snapshot(cluster) == {new_commit}
+    p = dctl("rollback", "-i", str(inv), timeout=400)
+    assert p.returncode == 0, out(p)
+    last = _history(inv)["releases"][-1]
+    assert last["rollback_of"] == prev["number"] and last["checkpoint"]["commit"] == rl4["commit"], last
+    assert last["checkpoint"]["manifest"] == prev["checkpoint"]["manifest"]
+    assert _mounted_snapshot(cluster) == {rl4["commit"]} and _answers(cluster)
+    # a release whose commit neither the head nor the Hub has: refused, nothing touched
+    hist_file = Path(rel.history_path(rl4["dep"].cluster.head_host.nvme_dir, DEP))
+    doc = json.loads(hist_file.read_text())
+    gone = "f" * 40
+    doc["releases"][-2]["checkpoint"]["commit"] = gone      # the release before the current one
+    hist_file.write_text(json.dumps(doc))
+    running = _running(cluster)
+    p = dctl("rollback", "-i", str(inv), timeout=120)
+    text = unwrap(out(p))
+    assert p.returncode == 2, out(p)
+    assert f"release {doc['releases'][-2]['number']}" in text and "cannot be brought back" in text and gone[:12] in text, text
+    assert _running(cluster) == running and _answers(cluster)
+    doc["releases"][-2]["checkpoint"]["commit"] = new_commit
+    hist_file.write_text(json.dumps(doc))
 
 
 def test_history_survives_a_controller_change(cluster, rl4, tmp_path):

@@ -98,3 +98,54 @@ def test_secret_overrides_are_never_recorded_and_must_be_given_again():
 
 def test_holder_container_name():
     assert rel.holder_name("spark4", 3) == "deployctl-pin-spark4-3"
+
+
+COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
+
+
+def test_a_release_records_its_checkpoint_and_a_rollback_pins_that_commit():
+    """#38: the release names the commit it served; rollback pins it (a branch that moved since is
+    never resolved again), before the image pin; the commit's deployment mounts snapshots/<commit>."""
+    ck = rel.checkpoint_of("deepseek-ai/DeepSeek-V4.1-Flash", "main", COMMIT_A, "", "m" * 64)
+    assert ck == {"repo": "deepseek-ai/DeepSeek-V4.1-Flash", "revision": "main", "commit": COMMIT_A,
+                  "manifest": "m" * 64}
+    r = _r(3, overrides=("engine.args.max-model-len=4096",), checkpoint=ck)
+    assert rel.parse(rel.dump("spark4", [r])) == [r], "the history file keeps it"
+    assert "deepseek-ai/DeepSeek-V4.1-Flash@aaaaaaaaaaaa (manifest mmmmmmmmmmmm)" in r.describe()
+    sets = rel.rollback_sets("spark4", r)
+    assert sets == ("engine.args.max-model-len=4096", f"model.revision={COMMIT_A}",
+                    "engine.image=deployctl-release/spark4:3")
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml", None, sets)
+    assert dep.recipe.model.revision == COMMIT_A and dep.snapshot == COMMIT_A
+    assert dep.checkpoint_dir(dep.cluster.head_host).endswith(f"/snapshots/{COMMIT_A}")
+    # a release from before checkpoints were recorded, or of a plain folder: no revision pinned
+    assert rel.rollback_sets("spark4", _r(4))[-1] == "engine.image=deployctl-release/spark4:4"
+    folder = rel.checkpoint_of("x/y", "main", "", "my-ckpt", "")
+    assert folder == {"dir": "my-ckpt", "manifest": ""} and not any(
+        s.startswith("model.revision") for s in rel.rollback_sets("spark4", _r(5, checkpoint=folder)))
+    assert rel.Release.from_json({k: v for k, v in _r(6).to_json().items() if k != "checkpoint"}).checkpoint == {}
+
+
+def test_a_run_without_sync_model_takes_the_manifest_of_the_same_commit():
+    old = _r(1, checkpoint=rel.checkpoint_of("x/y", "main", COMMIT_A, "", "m1"))
+    newer = _r(2, checkpoint=rel.checkpoint_of("x/y", "main", COMMIT_B, "", "m2"))
+    assert rel.with_manifest(rel.checkpoint_of("x/y", COMMIT_A, COMMIT_A, "", ""), [old, newer])["manifest"] == "m1"
+    assert rel.with_manifest(rel.checkpoint_of("x/y", "main", "c" * 40, "", ""), [old, newer])["manifest"] == "", \
+        "a commit no release verified: none"
+    assert rel.with_manifest(rel.checkpoint_of("x/y", "main", COMMIT_A, "", "m9"), [old])["manifest"] == "m9"
+
+
+def test_served_checkpoint_reads_the_sync_model_digest():
+    from orchestrator.cli.rollback_flow import served_checkpoint
+    from orchestrator.outcomes import HostResult
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
+    sync = StageOutcome("sync-model", "ok", [HostResult(h, "sync-model", "ok", "", data={"manifest_digest": "d1"})
+                                             for h in ("spark2", "spark3")])
+    got = served_checkpoint(dep, RunOutcome("r", "ok", 0, [sync]))
+    assert got == {"repo": dep.recipe.model.repo, "revision": "main", "commit": "", "manifest": "d1"}, \
+        "a branch never resolved is no commit"
+    import dataclasses
+    from orchestrator.modelfetch.resolved import Resolved
+    resolved = dataclasses.replace(dep, checkpoint=Resolved(COMMIT_B, "main", "cache"))
+    assert served_checkpoint(resolved, RunOutcome("r", "ok", 0, [sync]))["commit"] == COMMIT_B
+    assert served_checkpoint(dep, RunOutcome("r", "ok", 0, []))["manifest"] == ""

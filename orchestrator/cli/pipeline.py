@@ -4,17 +4,18 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..deployment import Deployment, load_deployment
-from ..errors import DeployctlError
+from ..errors import DeployctlError, InputError
 from ..executors.ssh import SSHTarget
 from ..executors.ssh_pool import connections_opened, warm_up
 from ..outcomes import HostResult, run_per_host
-from ..plan import Action
+from ..plan import Action, Plan
 from ..modelfetch.resolve import for_run as resolve_checkpoint
-from ..releases import rollback_sets
+from ..releases import Release, rollback_sets, short_id
 from ..runner import RunOutcome, describe_failure, run, say_results
 from ..runoptions import RunOptions
 from ..secrets import mask_override
@@ -65,34 +66,70 @@ def hosts_touched(plan, options: RunOptions, lock: bool) -> list[str]:
 
 
 RECORDS = frozenset({"up", "launch", "rollback"})    # commands whose healthy launch is a release
-ROLLBACK_STAGES = ("ship", "launch", "health")      # what brings a release back (only missing layers shipped)
+# What brings a release back: its checkpoint commit (fetched again if the head lost it, synced where a
+# node lacks it), its image (only missing layers shipped), the tables staged from that checkpoint
+# (each stage skips what is current), then launch and health.
+ROLLBACK_STAGES = ("ship", "fetch-model", "sync-model", "stage-engram", "write-ple", "launch", "health")
+
+
+def cannot_bring_back(target: Release) -> str:
+    """The prefix of an error that stops a rollback before any host is changed."""
+    return f"release {target.number} ({target.served() or 'image ' + short_id(target.image_id)}) cannot be brought back"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A run ready to apply: its deployment (checkpoint resolved), plan, stages and whether it locks."""
+    dep: Deployment
+    plan: Plan
+    stages: tuple[str, ...]
+    lock: bool
+
+
+def prepare(*, inventory: str | None, recipe: str | None, sets: tuple[str, ...], only: tuple[str, ...] = (),
+            skip: tuple[str, ...] = (), options: RunOptions | None = None, lock: bool | None = None,
+            what: str = "") -> Prepared:
+    """The one planning path of every run (up, the stage commands, rollback, the rollback after a
+    failed up): load, plan (bad input is refused before any host), open the SSH connections the plan
+    needs, resolve the checkpoint's commit once (a branch that moves mid-run changes nothing), plan
+    again with it. LOCK None: the run locks when a stage changes hosts (changes_hosts). WHAT: said
+    before an error (e.g. which release a rollback could not plan)."""
+    opts = options or RunOptions()
+    try:
+        dep = load_deployment(inventory, recipe, sets)
+        stages = select(only, skip)
+        plan = build_plan(dep, only=only, skip=skip, options=options)
+        if lock is None:
+            lock = changes_hosts(stages, opts)
+        warm_up([SSHTarget.for_host(dep.cluster.host(h), dep.cluster) for h in hosts_touched(plan, opts, lock)])
+        resolved = resolve_checkpoint(dep, stages, rehash=opts.fetch_rehash)
+        if resolved is not dep:
+            dep, plan = resolved, build_plan(resolved, only=only, skip=skip, options=options)
+    except InputError as e:
+        raise (InputError(f"{what}: {e.detail}", file=e.file, key=e.key, line=e.line) if what else e) from None
+    except DeployctlError as e:
+        raise (type(e)(f"{what}: {e}") if what else e) from None
+    return Prepared(dep, plan, stages, lock)
 
 
 def run_stages(*, command: str, inventory: str | None, recipe: str | None, sets: tuple[str, ...],
                only: tuple[str, ...] = (), skip: tuple[str, ...] = (), as_json: bool = False,
                verbose: int = 0, quiet: bool = False, options: RunOptions | None = None,
                lock: bool | None = None, rollback_on_failure: bool = False,
-               rollback_of: int | None = None) -> None:
+               rollback_of: int | None = None, what: str = "") -> None:
     """LOCK: hold the deployment's lock on the head for the whole run (a second run fails fast).
     None (the default): when a stage of the run changes hosts (changes_hosts).
     A successful up/launch/rollback that ran launch records a release (orchestrator/releases.py).
     ROLLBACK_ON_FAILURE: when launch or health of a new release fails, the current release is brought
     back under the same lock, with its own run record; the command still exits 1."""
-    dep = load_deployment(inventory, recipe, sets)
-    stages = select(only, skip)
-    plan = build_plan(dep, only=only, skip=skip, options=options)   # bad input is refused before any host
-    if lock is None:
-        lock = changes_hosts(stages, options or RunOptions())
-    warm_up([SSHTarget.for_host(dep.cluster.host(h), dep.cluster)
-             for h in hosts_touched(plan, options or RunOptions(), lock)])
-    # the commit this run uses, once (a branch that moves mid-run changes nothing), then the plan with it
-    resolved = resolve_checkpoint(dep, stages, rehash=bool(options and options.fetch_rehash))
-    if resolved is not dep:
-        dep, plan = resolved, build_plan(resolved, only=only, skip=skip, options=options)
+    prep = prepare(inventory=inventory, recipe=recipe, sets=sets, only=only, skip=skip, options=options,
+                   lock=lock, what=what)
+    dep = prep.dep
     out = dict(as_json=as_json, verbose=verbose, quiet=quiet)
     rolled = None
-    with _head_lock(dep, command, lock):
-        outcome, doc, ctx = _apply(dep, plan, command, options=options, record=command in RECORDS and "launch" in stages,
+    with _head_lock(dep, command, prep.lock):
+        outcome, doc, ctx = _apply(dep, prep.plan, command, options=options,
+                                   record=command in RECORDS and "launch" in prep.stages,
                                    recipe_ref=recipe, sets=sets, rollback_of=rollback_of, **out)
         if rollback_on_failure and outcome.exit_code == 1:
             rolled = _roll_back(dep, outcome, inventory, sets, ctx, **out)
@@ -121,7 +158,7 @@ def _apply(dep: Deployment, plan, command: str, *, as_json: bool, verbose: int, 
         outcome = run(plan, ctx, command)
         doc = outcome.to_json()
         if record and outcome.exit_code == 0:
-            doc["release"] = record_release(dep, ctx, command, recipe_ref, sets, rollback_of)
+            doc["release"] = record_release(dep, ctx, command, recipe_ref, sets, rollback_of, outcome)
     finally:
         shells, ctx.state.shells = ctx.state.shells, None
         if shells is not None:
@@ -142,13 +179,13 @@ def _roll_back(dep: Deployment, failed: RunOutcome, inventory: str | None, given
     ctx.say(f"[yellow]rolling back to {target.describe()}[/yellow]")
     # the failed command's secret-named --set values (never recorded in the history) are given again
     sets = rollback_sets(dep.name, target, tuple(s for s in given if mask_override(s) != s))
-    try:
-        rdep = load_deployment(inventory, target.recipe_ref, sets)
-        rplan = build_plan(rdep, only=ROLLBACK_STAGES)
+    try:       # the same planning path as every run: the release's commit resolved on the head
+        r = prepare(inventory=inventory, recipe=target.recipe_ref, sets=sets, only=ROLLBACK_STAGES, lock=False,
+                    what=cannot_bring_back(target))
     except DeployctlError as e:     # e.g. the recipe changed since: said, never hiding the first failure
         return {"attempted": True, "to": target.number, "image_id": target.image_id, "status": "error",
-                "exit_code": e.exit_code, "error": f"release {target.number} cannot be planned: {e}", "run_dir": ""}
-    outcome, doc, _ = _apply(rdep, rplan, "rollback", options=None, record=True, recipe_ref=target.recipe_ref,
+                "exit_code": e.exit_code, "error": str(e), "run_dir": ""}
+    outcome, doc, _ = _apply(r.dep, r.plan, "rollback", options=None, record=True, recipe_ref=target.recipe_ref,
                              sets=sets, rollback_of=target.number, as_json=as_json, verbose=verbose, quiet=quiet)
     return {"attempted": True, "to": target.number, "image_id": target.image_id, **doc}
 

@@ -18,7 +18,7 @@ from ..secrets import mask_override
 from ..stages import build_plan
 from .common import emit_json, handle_errors, inventory_option, output_options
 from .launch_cmd import keep_option
-from .pipeline import ROLLBACK_STAGES, run_stages
+from .pipeline import ROLLBACK_STAGES, cannot_bring_back, prepare, run_stages
 from .plan_text import print_plan
 
 
@@ -61,13 +61,14 @@ def history_command(inventory, as_json, verbose, quiet):
         out.print(f"{escape(dep.name)}: no releases recorded yet (the first healthy `deployctl up` records one)")
         return
     t = Table(title=f"{dep.name}: releases (the last {doc['keep']} pinned)", title_justify="left")
-    for col in ("#", "time (UTC)", "image ID", "image", "recipe", "made by", "pinned", "run record"):
+    for col in ("#", "time (UTC)", "image ID", "image", "checkpoint", "recipe", "made by", "pinned", "run record"):
         t.add_column(col)
     for r in doc["releases"]:
         mark = " (current)" if r["number"] == doc["current"] else ""
         made = f"rollback of {r['rollback_of']}" if r["rollback_of"] is not None else r["command"]
         t.add_row(f"{r['number']}{mark}", time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"])),
-                  rel.short_id(r["image_id"]), escape(r["image"]), escape(r["recipe"]), escape(made),
+                  rel.short_id(r["image_id"]), escape(r["image"]), escape(rel.Release.from_json(r).served() or "-"),
+                  escape(r["recipe"]), escape(made),
                   escape(r["pin"] or "no (may be pruned)"), escape(r["run_dir"]))
     out.print(t)
 
@@ -82,15 +83,19 @@ def history_command(inventory, as_json, verbose, quiet):
                    "which the history records masked). The image stays the release's.")
 @keep_option
 @click.option("--dry-run", is_flag=True,
-              help="Show the release and the plan (ship, launch, health) it would run, and stop.")
+              help="Show the release and the plan (ship, fetch-model, sync-model, the table stages, launch, "
+                   "health) it would run, and stop.")
 @handle_errors
 def rollback_command(inventory, as_json, verbose, quiet, to, sets, keep_on_failure, dry_run):
     """Relaunch release N (`deployctl history`) by its image ID, then the full health check.
 
-    Runs ship (only the layers a worker lacks), launch and health with the release's recorded
-    overrides and `engine.image` set to its pin tag (`deployctl-release/<deployment>:<N>`, the exact
-    image ID on every node). Holds the deployment's lock. Success is a new release ("rollback of N").
-    Exit 1 with the reason when it does not come up healthy.
+    Runs ship (only the layers a worker lacks), fetch-model and sync-model (the checkpoint commit the
+    release served, fetched again only if the head lost it), the table stages (skipped when current),
+    launch and health, with the release's recorded overrides, `model.revision` set to that commit and
+    `engine.image` to its pin tag (`deployctl-release/<deployment>:<N>`, the exact image ID on every
+    node). Holds the deployment's lock. Success is a new release ("rollback of N"). Exit 1 with the
+    reason when it does not come up healthy; a commit that is neither on the head nor on the Hub is
+    refused before anything runs (before launch touches what runs, with model_fetch: none).
     """
     dep = load_deployment(inventory)
     try:
@@ -111,9 +116,10 @@ def rollback_command(inventory, as_json, verbose, quiet, to, sets, keep_on_failu
         raise InputError(f"release {target.number} was made with secret-named overrides recorded without their "
                          f"values: pass them again with --set ({', '.join(missing)})", key="--set")
     sets = rel.rollback_sets(dep.name, target, tuple(sets))
+    what = cannot_bring_back(target)
     if dry_run:
-        rdep = load_deployment(inventory, target.recipe_ref, sets)
-        plan = build_plan(rdep, only=ROLLBACK_STAGES)
+        plan = prepare(inventory=inventory, recipe=target.recipe_ref, sets=sets, only=ROLLBACK_STAGES, lock=False,
+                       what=what).plan
         if as_json:
             emit_json({"release": target.to_json(), "sets": list(sets), "plan": plan.to_json()})
         else:
@@ -125,7 +131,7 @@ def rollback_command(inventory, as_json, verbose, quiet, to, sets, keep_on_failu
         _require_pin(dep, target)
     run_stages(command="rollback", inventory=inventory, recipe=target.recipe_ref, sets=sets, only=ROLLBACK_STAGES,
                as_json=as_json, verbose=verbose, quiet=quiet, options=RunOptions(keep_on_failure=keep_on_failure),
-               rollback_of=target.number)
+               rollback_of=target.number, what=what)
 
 
 def _require_pin(dep: Deployment, target: rel.Release) -> None:

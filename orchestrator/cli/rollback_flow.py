@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape
 
 from ..errors import DeployctlError
-from ..releases import Release, current, pin_tag, short_id
+from ..modelfetch.resolved import COMMIT
+from ..releases import Release, checkpoint_of, current, pin_tag, short_id
 from .common import STDERR
 
 if TYPE_CHECKING:
@@ -17,8 +18,20 @@ if TYPE_CHECKING:
     from ..runrecord import RunContext
 
 
+def served_checkpoint(dep: "Deployment", outcome: "RunOutcome") -> dict[str, str]:
+    """The checkpoint the run served: the commit it resolved (a revision never resolved, e.g. nothing
+    fetched yet, is no commit: "") and the manifest digest its sync-model verified every node against
+    (one per run: the head's)."""
+    m = dep.recipe.model
+    commit = dep.snapshot if (dep.checkpoint and dep.checkpoint.commit) or COMMIT.match(m.revision) else ""
+    digests = {r.data.get("manifest_digest") for s in outcome.stages if s.name == "sync-model"
+               for r in s.results if r.status != "failed" and r.data.get("manifest_digest")}
+    manifest = digests.pop() if len(digests) == 1 else ""
+    return checkpoint_of(m.repo, m.revision, commit, m.checkpoint_dir, manifest)
+
+
 def record_release(dep: "Deployment", ctx: "RunContext", command: str, recipe_ref: str | None,
-                   sets: tuple[str, ...], rollback_of: int | None) -> dict[str, Any]:
+                   sets: tuple[str, ...], rollback_of: int | None, outcome: "RunOutcome") -> dict[str, Any]:
     """After a successful run: the new release (also written to the run record as release.json), or
     which release still runs. A history that cannot be written is said, not fatal: the deployment is
     up and healthy, and the next successful run records it."""
@@ -28,7 +41,8 @@ def record_release(dep: "Deployment", ctx: "RunContext", command: str, recipe_re
     shells = run_shells(dep.cluster, ctx.state)
     try:
         new, cur, notes = release_store.record(dep, shells, command=command, run_dir=str(ctx.run_dir),
-                                               recipe_ref=recipe_ref, overrides=tuple(sets), rollback_of=rollback_of)
+                                               recipe_ref=recipe_ref, overrides=tuple(sets), rollback_of=rollback_of,
+                                               checkpoint=served_checkpoint(dep, outcome))
     except Exception as e:  # noqa: BLE001 - reported, never hides the run's own outcome
         why = f"no release recorded: {e}"
         ctx.say(f"[yellow]{escape(why)}[/yellow]")

@@ -113,9 +113,10 @@ def same_image(dep: "Deployment", shells: Shells, ids: dict[str, str], cache_roo
 
 
 def record(dep: "Deployment", shells: Shells, *, command: str, run_dir: str, recipe_ref: str | None,
-           overrides: tuple[str, ...], rollback_of: int | None = None
+           overrides: tuple[str, ...], rollback_of: int | None = None, checkpoint: dict[str, str] | None = None
            ) -> tuple[rel.Release | None, rel.Release | None, list[str]]:
     """After a healthy run: a new release when the image or a spec changed (else None), then the pins.
+    CHECKPOINT: what the run served (releases.checkpoint_of).
     Secret-named overrides are recorded masked: the history is readable by every controller's login.
     Returns (the new release or None, the current release, notes about pins not set or not removed)."""
     head = shells[dep.cluster.head]
@@ -137,7 +138,8 @@ def record(dep: "Deployment", shells: Shells, *, command: str, run_dir: str, rec
                           image=dep.recipe.engine.image, recipe=dep.recipe.name, recipe_ref=recipe_ref,
                           overrides=tuple(mask_override(o) for o in overrides), specs=specs,
                           tables={h: r.tables for h, r in running.items() if r.tables},
-                          run_dir=run_dir, command=command, rollback_of=rollback_of)
+                          run_dir=run_dir, command=command, rollback_of=rollback_of,
+                          checkpoint=rel.with_manifest(checkpoint or {}, history) if checkpoint else {})
         history = [*history, new]
         write_history(dep, head, history)
     return new, rel.current(history), pin(dep, shells, history)
