@@ -241,6 +241,9 @@ class ChainBuilder:
 
     # -- inputs -------------------------------------------------------------------------------
     def _hash(self, ref: InputRef) -> str:
+        fixed = self.chain.root_key(ref.root)
+        if fixed:
+            return f"{fixed}:{ref.src}"
         path = self.chain.input_path(ref)
         key = (str(path), ref.exclude)
         if key not in self._hashes:
@@ -331,14 +334,18 @@ class ChainBuilder:
                             parent=parent_id, patches=patches)
         args = {"BASE": parent_id, **step.args}
         material = step_material(kind=step.kind, chain=self.chain.name, step=step.name, text=text, args=args,
-                                 inputs=[(p["src"], p["sha"]) for p in patches], parent_id=parent_id, uses=uses)
+                                 inputs=[(p["src"], p["sha"]) for p in patches], parent_id=parent_id, uses=uses,
+                                 extra={"verify": schema.to_dict(step.verify)} if step.verify else None)
 
         def run(log: StepLog, digest: str) -> str:
             self._check_destinations(step, patches, parent_id, log)
             tar = TarBuilder()
             for p in patches:
                 tar.add_tree(p["path"], p["src"], ())
-            return self._docker_build(step, tar, text, args, digest, log.write)
+            image = self._docker_build(step, tar, text, args, digest, log.write)
+            if step.verify:
+                self._verify(step, image, log, "")
+            return image
         return {"material": material, "run": run}
 
     def _check_destinations(self, step: StepSpec, patches: list[dict[str, Any]], parent_id: str,

@@ -31,6 +31,8 @@ import jinja2
 from .. import checks, schema, yamlfile
 from ..errors import InputError
 from ..paths import DOCKERFILES_DIR
+from . import wheelhouse
+from .wheelhouse import ROOT as WHEELHOUSE_ROOT, Wheelhouse
 
 CHAINS_DIR = DOCKERFILES_DIR / "chains"
 DEFAULT_ROOT = "inputs"          # the root named by the lock's inputs_dir
@@ -156,11 +158,32 @@ class StepSpec:
 
 
 @dataclass(frozen=True)
+class WheelhouseSpec:
+    """The chain's wheels (imagechain/wheelhouse.py): a sha256-pinned lock below dockerfiles/chains/,
+    fetched for the image's interpreter and platform; steps get the folder as input root `wheelhouse`."""
+    lock: str
+    python_version: str = "3.11"
+    glibc: str = "2.36"                   # the image's glibc: the newest manylinux tag its wheels may carry
+    arch: str = "x86_64"
+    debs: str = ""                        # Debian packages the wheels link (pinned file below dockerfiles/chains/)
+
+    def validate(self, path: str, file: str) -> None:
+        if not re.fullmatch(r"2\.\d+", self.glibc) or int(self.glibc.split(".")[1]) < 5:
+            raise InputError(f"glibc {self.glibc!r}: expected 2.N (N >= 5)", file=file, key=f"{path}.glibc")
+        for key in ("lock", "debs"):
+            v = getattr(self, key)
+            if "/" in v or ".." in v:
+                raise InputError(f"{key} {v!r}: a file name below dockerfiles/chains/", file=file,
+                                 key=f"{path}.{key}")
+
+
+@dataclass(frozen=True)
 class ChainSpec:
     name: str
     steps: tuple[StepSpec, ...]
     description: str = ""
     vars: dict[str, str] = field(default_factory=dict)
+    wheelhouse: WheelhouseSpec | None = None
     patch_template: str = "templates/patch.Dockerfile.j2"
     artifact_template: str = "templates/artifact.Dockerfile.j2"
 
@@ -234,6 +257,12 @@ class LoadedChain:
     vars: dict[str, str]                  # resolved (chain < lock < overrides), rendered
     roots: dict[str, Path]                # input roots, absolute
     steps: tuple[StepSpec, ...]           # every string field rendered with vars
+    wheelhouse: Wheelhouse | None = None  # the chain's wheels (root `wheelhouse`), fetched by the build stage
+
+    def root_key(self, root: str) -> str | None:
+        """A root whose content a lock fixes (the wheelhouse: every file pinned by sha256) is hashed
+        by that lock, not read: a no-op build does not re-read hundreds of MB of wheels."""
+        return f"wheel-lock:{self.wheelhouse.digest}" if self.wheelhouse and root == WHEELHOUSE_ROOT else None
 
     @property
     def name(self) -> str:
@@ -356,8 +385,14 @@ def load_chain(name_or_path: str, *, lock_file: str | Path | None = None, inputs
     roots = {DEFAULT_ROOT: root(lock.inputs_dir), **{k: root(v) for k, v in lock.input_roots.items()}}
     given = {**({DEFAULT_ROOT: inputs_dir} if inputs_dir else {}), **(input_roots or {})}
     roots.update({k: Path(v).expanduser().resolve() for k, v in given.items()})
+    wh = None
+    if spec.wheelhouse is not None:
+        w = spec.wheelhouse
+        wh = wheelhouse.load(CHAINS_DIR / w.lock, w.python_version, wheelhouse.platforms(w.glibc, w.arch),
+                             CHAINS_DIR / w.debs if w.debs else None)
+        roots[WHEELHOUSE_ROOT] = wh.folder
     steps = tuple(render_value(s, variables, str(cfile), f"steps[{i}]") for i, s in enumerate(spec.steps))
-    loaded = LoadedChain(spec, lock, cfile, lfile, variables, roots, steps)
+    loaded = LoadedChain(spec, lock, cfile, lfile, variables, roots, steps, wh)
     for i, s in enumerate(steps):
         refs = list(s.inputs) + ([s.dockerfile_input] if s.dockerfile_input else [])
         for ref in refs:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..executors.docker_cli import docker_sh
 from ..imagechain import lock as locks
+from ..imagechain import wheelhouse
 from ..imagechain.spec import check_inputs, load_chain
 from ..outcomes import HostResult, run_per_host
 from ..plan import Action
@@ -45,6 +46,8 @@ def plan(dep: "Deployment", options: RunOptions) -> tuple[list[Action], str]:
         details={"image": e.image, "chain": chain.name, "chain_file": str(chain.chain_file),
                  "lock_file": str(chain.lock_file), "base": chain.lock.base.image,
                  "base_digest": chain.lock.base.digest, "inputs_dir": str(chain.roots["inputs"]),
+                 **({"wheelhouse": {"lock": str(chain.wheelhouse.lock_file), "wheels": len(chain.wheelhouse.pins),
+                                    "folder": str(chain.wheelhouse.folder)}} if chain.wheelhouse else {}),
                  "steps": steps})
     return [act], ""
 
@@ -55,6 +58,8 @@ def apply(dep: "Deployment", actions: list[Action], ctx: "RunContext") -> list[H
     assert e.chain
     chain = load_chain(e.chain, inputs_dir=opts.inputs_dir, input_roots=opts.input_roots,
                        var_overrides=opts.chain_vars)
+    if chain.wheelhouse is not None:   # on the controller, once per lock: the build itself has no network
+        wheelhouse.ensure(chain.wheelhouse, say=ctx.say)
     notes = check_inputs(chain)        # InputError propagates: exit 2, nothing touched
 
     def one(action: Action, log: "HostLog") -> HostResult:
