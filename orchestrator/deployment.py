@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from .apikey import ApiKey, load_api_key
 from .errors import InputError
+from .hardware import KINDS
 from .inventory import Cluster, Host, load_inventory
 from .recipe import LoadedRecipe, Recipe, load_recipe, resolve_path
 from .secrets import register_named
@@ -117,7 +118,7 @@ def check_fit(cluster: Cluster, loaded: LoadedRecipe) -> None:
         if h.hardware != r.hardware:
             raise InputError(f"host {h.name} is {h.hardware} but recipe {r.name} is for {r.hardware}",
                              file=f, key=f"all.hosts.{h.name}.hardware")
-        if h.gpus < par.gpus_per_node:
+        if KINDS[r.hardware].gpu_ranks and h.gpus < par.gpus_per_node:
             raise InputError(f"host {h.name} has {h.gpus} GPU(s); recipe {r.name} needs "
                              f"{par.gpus_per_node} per node (tensor_parallel {par.tensor_parallel} = "
                              f"nodes x GPUs per node)", file=f, key=f"all.hosts.{h.name}.gpus")

@@ -37,7 +37,10 @@ HOST_KEYS = {
     "expect_arch": "preflight override: the `uname -m` the host must report (default: the hardware "
                    "kind's, aarch64 for dgx-spark)",
     "host_ram_gb": "system RAM of a discrete-GPU host in GB: lets `plan` check pinned tables before "
-                   "preflight measures MemAvailable",
+                   "preflight measures MemAvailable (a cpu host: the engine's whole memory)",
+    "compute_cpus": "the CPUs the engine's compute threads are bound to on this host (0-3 or 0,2), through the "
+                    "variable the recipe names in engine.cpu_bind_env (vLLM's CPU build: VLLM_CPU_OMP_THREADS_BIND); "
+                    "its other processes (API server, engine core) keep every CPU",
 }
 CLUSTER_KEYS = {
     "deployment": "deployment name (container labels, run records)",
@@ -95,6 +98,7 @@ class Host:
     expect_gpus: bool = True             # false: preflight skips the GPU checks (documented opt-out)
     expect_arch: str | None = None       # preflight: the `uname -m` expected instead of the kind's
     host_ram_gb: float | None = None     # declared system RAM (discrete GPUs), checked by sizing
+    compute_cpus: str = ""               # the engine's compute threads' CPUs (engine.cpu_bind_env); "": the engine's default
     ansible_vars: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -367,6 +371,11 @@ def _host(name: str, hv: dict, key: str, file: str, lines: dict[str, int]) -> Ho
     if host_ram is not None and (isinstance(host_ram, bool) or not isinstance(host_ram, (int, float))
                                  or host_ram <= 0):
         raise err(f"host_ram_gb must be a positive number of GB, got {host_ram!r}", "host_ram_gb")
+    cpus = hv.get("compute_cpus", "")
+    if isinstance(cpus, int) and not isinstance(cpus, bool):
+        cpus = str(cpus)                     # `compute_cpus: 0` in YAML
+    if not isinstance(cpus, str) or (cpus and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", cpus)):
+        raise err(f"compute_cpus must be CPU numbers and ranges (0-3 or 0,2), got {cpus!r}", "compute_cpus")
     fabric_address, fabric_network = _cidr(hv.get("fabric_address"), "fabric_address", err)
     links = hv.get("fabric_links") or {}
     if not isinstance(links, dict):
@@ -389,7 +398,7 @@ def _host(name: str, hv: dict, key: str, file: str, lines: dict[str, int]) -> Ho
         fabric_links=tuple(fabric_links),
         docker_host=str(hv.get("docker_host", "unix:///var/run/docker.sock")),
         expect_gpus=expect_gpus, expect_arch=expect_arch,
-        host_ram_gb=float(host_ram) if host_ram is not None else None,
+        host_ram_gb=float(host_ram) if host_ram is not None else None, compute_cpus=cpus,
         ansible_vars={k: v for k, v in hv.items() if k.startswith("ansible_")},
     )
 

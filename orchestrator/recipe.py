@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -170,10 +171,16 @@ class EngineSpec:
     ib_hca: dict[str, str] = field(default_factory=dict)
     # NCCL RoCE settings added when a host has an active RoCE HCA (fabric.py ROCE_ENV is the default)
     nccl_roce_env: dict[str, str] = field(default_factory=dict)
+    # the environment variable through which the engine binds its compute threads to the host's
+    # `compute_cpus` (inventory), e.g. VLLM_CPU_OMP_THREADS_BIND for vLLM's CPU build (vllm/envs.py)
+    cpu_bind_env: str = ""
 
     def validate(self, path: str, file: str) -> None:
         checks.fields(self, path, file, port=("port", "master_port"), size=("shm_size",), image=("image",),
                       path=("model", "chain", "cache_dir", "cache_mount"))
+        if self.cpu_bind_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.cpu_bind_env):
+            raise InputError(f"must be an environment variable name, got {self.cpu_bind_env!r}", file=file,
+                             key=f"{path}.cpu_bind_env")
         if self.memory_limit:
             checks.docker_size(self.memory_limit, file, f"{path}.memory_limit")
         if self.memory_swap:
@@ -311,7 +318,7 @@ class FabricSpec:
 class Recipe:
     name: str
     description: str
-    hardware: Literal["dgx-spark", "rtx-pro-6000", "b300"]
+    hardware: Literal["dgx-spark", "rtx-pro-6000", "b300", "cpu"]
     model: ModelSpec
     parallelism: Parallelism
     engine: EngineSpec

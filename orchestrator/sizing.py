@@ -312,10 +312,11 @@ def _where(kind: HardwareKind, placement: str) -> str:
 
 
 def _memory_budget(inp: _Inputs, sz, kind: HardwareKind, tables: list[tuple[_Table, float]],
-                   ref: dict[str, str]) -> Budget:
-    """The unified pool (Spark) or one GPU's memory (discrete): engine pool + what sits beside it."""
+                   ref: dict[str, str], host_ram_gb: float | None = None) -> Budget:
+    """The unified pool (Spark) or one GPU's memory (discrete): engine pool + what sits beside it.
+    A CPU host's pool is its RAM (HOST_RAM_GB when the inventory declares it)."""
     unified = kind.unified_memory
-    cap = kind.gpu_memory_gb
+    cap = host_ram_gb if kind.ram_pool and host_ram_gb else kind.gpu_memory_gb
     frac_name = f"{inp.fraction_arg} {inp.fraction:g}" if inp.fraction is not None else ""
     lines = [Line("weights", "weights share", inp.weights_per_gpu * (inp.gpn if unified else 1),
                   inp.weights_source, True, report=ref.get("weights", ""))]
@@ -361,7 +362,10 @@ def _memory_budget(inp: _Inputs, sz, kind: HardwareKind, tables: list[tuple[_Tab
                                    t.page_cache_gb, f"{t.key}.page_cache_budget_gib (shares the pool)",
                                    report=ref.get("page_cache", "")))
     lines += beside
-    if unified:
+    if kind.ram_pool:
+        cap_src = (f"host_ram_gb {_g(cap)} GB (the engine's CPU build: weights, KV cache and the OS share it)"
+                   if host_ram_gb else f"hardware {kind.name}: {_g(cap)} GB of RAM assumed (declare host_ram_gb)")
+    elif unified:
         cap_src = f"hardware {kind.name}: {_g(cap)} GB shared by CPU and GPU"
     else:
         cap_src = f"hardware {kind.name}: {_g(cap)} GB per GPU" + (f", budget of one of {inp.gpn}" if inp.gpn > 1 else "")
@@ -419,7 +423,7 @@ def _node(dep, inp: _Inputs, host, placements: dict[str, str]) -> NodeBudget:
         node_tables.append((t, sum(shares) if t.key == "engram" else t.total_gb))
         gpu_tables.append((t, sum(shares) if kind.unified_memory and t.key == "engram"
                            else max(shares, default=0.0)))
-    mem = _memory_budget(inp, sz, kind, gpu_tables, ref)
+    mem = _memory_budget(inp, sz, kind, gpu_tables, ref, host.host_ram_gb)
     budgets = [mem]
     if not kind.unified_memory:
         ram = _host_ram_budget(sz, host, node_tables, kind, ref)

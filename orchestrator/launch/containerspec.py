@@ -260,6 +260,8 @@ def planned_spec(dep: Deployment, host: Host) -> ContainerSpec:
             mounts.append((path, apikey.SGLANG_CONFIG, "ro"))
             secret_files = ((path, "sglang-config"),)
     options = {k: v for k, v in (("memory", e.memory_limit), ("memory-swap", e.memory_swap)) if v}
+    if e.cpu_bind_env and host.compute_cpus:     # vLLM CPU: its OpenMP threads (vllm/utils/ompmultiprocessing.py)
+        env[e.cpu_bind_env] = host.compute_cpus
     labels = {LABEL: dep.name, "deployctl.rank": str(host.rank), "deployctl.recipe": r.name,
               "deployctl.role": "head" if host.name == head.name else "worker"}
     key_id = dep.api_key.key_id if dep.api_key is not None else ""
