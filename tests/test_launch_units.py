@@ -217,8 +217,9 @@ class _GateShell:
         return Result(0, f"{self.drop_line}\nMemAvailable:   {self.kib} kB\n", "")
 
 
-def _launch(tmp_path, monkeypatch, kib: dict[str, int], *sets: str):
-    """launcher._Launch.run on spark4 with every host step faked except the gate and the order."""
+def _launch(tmp_path, monkeypatch, kib: dict[str, int], *sets: str, rendezvous=None):
+    """launcher._Launch.run on spark4 with every host step faked except the gate and the order
+    (RENDEZVOUS: what the rendezvous check finds, host -> failure; default nothing)."""
     from orchestrator.launch import launcher
     from orchestrator.fabric.detect import Fabric
     dep = load_deployment(INVENTORIES_DIR / "spark4.yml", None, ("engine.start_wait_s=0.2", *sets))
@@ -231,6 +232,7 @@ def _launch(tmp_path, monkeypatch, kib: dict[str, int], *sets: str):
     monkeypatch.setattr(launcher.detect, "for_host", lambda *a, **k: Fabric("enp1s0f0np0", "10.0.0.1", (), "t"))
     monkeypatch.setattr(launcher, "remove_all", lambda sh, name, keep=frozenset(): [])
     monkeypatch.setattr(launcher, "create", lambda sh, spec, env: f"{sh.host.name}-cid")
+    monkeypatch.setattr(launcher.rendezvous, "check", lambda dep, shells, master: dict(rendezvous or {}))
     monkeypatch.setattr(launcher, "start", lambda sh, spec, cid: started.append((sh.host.name, time.monotonic()))
                         or cid)
     logs = {n: ctx.host_log(n, "launch") for n in names}
@@ -240,6 +242,17 @@ def _launch(tmp_path, monkeypatch, kib: dict[str, int], *sets: str):
         log.close()
     ctx.close()
     return out, started, shells
+
+
+def test_a_failed_rendezvous_check_starts_nothing(tmp_path, monkeypatch):
+    from orchestrator.outcomes import HostFailure
+    ok = {n: 120 << 20 for n in ("spark1", "spark2", "spark3", "spark4")}
+    out, started, _ = _launch(tmp_path, monkeypatch, ok,
+                              rendezvous={"spark3": HostFailure("cannot reach the head's rendezvous")})
+    assert started == []
+    by = {r.host: r for r in out}
+    assert by["spark3"].status == "failed" and "rendezvous" in by["spark3"].message
+    assert by["spark1"].status == "skipped" and "failed the rendezvous check" in by["spark1"].message
 
 
 def test_workers_start_first_in_descending_rank_then_the_head(tmp_path, monkeypatch):

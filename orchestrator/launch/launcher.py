@@ -11,6 +11,8 @@ start the head and the workers.
    could join a stale head's rendezvous and hang);
 5. the memory gate on every host (engine.drop_caches, engine.min_mem_available_gib): drop the page
    cache, read MemAvailable; a host below the threshold fails with its numbers and nothing starts;
+   a vLLM group over several nodes: the head's rendezvous port is free and every worker reaches it
+   over the fabric (rendezvous.py), else the host concerned fails, named, and nothing starts;
 6. start in render.start_sequence order: head-first (the head, then the workers in parallel) or
    workers-first (boot 10: each worker in descending rank, engine.start_wait_s, then the head).
    From here on a Ctrl-C (or, unless --keep-on-failure, a failure of launch or health) removes this
@@ -32,7 +34,7 @@ from ..outcomes import HostFailure, HostResult
 from ..plan import Action
 from ..runrecord import HostLog, RunContext
 from ..secrets import mask_argv, register_named
-from . import api, probe
+from . import api, probe, rendezvous
 from .containers import (Container, create, discard, memory_gate, prepared_name, remove_all, run_argv, start,
                          write_secret_file)
 from ..fabric import detect
@@ -231,6 +233,14 @@ class _Launch:
             if bad:
                 return self.abort(bad, f"earlier containers removed here; nothing started because "
                                        f"{', '.join(sorted(bad))} failed the memory gate")
+        if rendezvous.needed(dep) and master:
+            bad = rendezvous.check(dep, self.shells, master)
+            for n in self.names:
+                self.logs[n].write(f"rendezvous {master}:{e.master_port}: "
+                                   + (str(failure(bad[n])) if n in bad else "ok"))
+            if bad:
+                return self.abort(bad, f"earlier containers removed here; nothing started because "
+                                       f"{', '.join(sorted(bad))} failed the rendezvous check")
 
         started: dict[str, str] = {}
         bad = {}
