@@ -70,11 +70,31 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify):
                    "[yellow]up, but it rejects the key[/yellow]" if a.get("key_rejected") else "[red]not answering[/red]")
         key = f"; API key id {a['api_key_id']}" if a.get("api_key_id") else ""
         out.print(f"API {a['url']}: {verdict} ({escape(a['detail'])}){key}")
+        _print_failure(out, doc.get("failure"), a["healthy"])
         for host, rows in doc.get("tables_verified", {}).items():
             for stage, r in rows.items():
                 mark = "[green]verified[/green]" if r.get("up_to_date") else "[red]NOT current[/red]"
                 out.print(f"{host} {stage}: {mark}: {escape(str(r.get('reason')))}")
     sys.exit(0 if all(r.get("reachable") for r in doc["hosts"]) and not bad_tables else 1)
+
+
+def _print_failure(out: Console, f: dict[str, Any] | None, api_healthy: bool) -> None:
+    """Which rank stopped first, how and why (launch/diagnosis.py), the others after it, its last lines."""
+    if not f:
+        return
+    import time as _time
+    at = _time.strftime("%H:%M:%S", _time.localtime(f["finished_at"])) if f.get("finished_at") else "?"
+    role = " head" if f.get("role") == "head" else ""
+    out.print(f"[red]FAILED[/red]: {escape(f['host'])} (rank {f['rank']}{role}) stopped first, at {at}, "
+              f"{escape(f['how'])}" + (f": {escape(f['cause'])}" if f["cause"] else ""))
+    for t in f["then"]:
+        out.print(f"  then {escape(t['host'])} (rank {t['rank']}): {escape(t['how'])}"
+                  + (f": {escape(t['cause'])}" if t["cause"] else ""))
+    if api_healthy and f["still_running"]:
+        out.print("  [yellow]the head still answers /health, but its group lost a rank: requests fail "
+                  "(EngineDeadError) or wait forever (a wedge); relaunch the group: deployctl up[/yellow]")
+    for line in f["tail"]:
+        out.print(f"  | {escape(line)}")
 
 
 def _verify_tables(dep) -> dict[str, dict[str, dict]]:

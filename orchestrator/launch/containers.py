@@ -36,6 +36,7 @@ class Container:
     uptime_s: float | None = None     # running: seconds since it started (host clock)
     error: str = ""                   # Docker's State.Error (e.g. a mount that failed)
     oom_killed: bool = False
+    finished_s: float | None = None   # stopped: when (epoch seconds, the host's clock)
 
     @property
     def running(self) -> bool:
@@ -61,7 +62,8 @@ class Container:
                 "restart_count": self.restart_count, "image_id": self.image_id, "spec": self.spec,
                 "uptime_s": None if self.uptime_s is None else round(self.uptime_s, 1),
                 "rank": self.labels.get("deployctl.rank"), "error": self.error,
-                "api_key_id": self.labels.get(API_KEY_LABEL)}
+                "api_key_id": self.labels.get(API_KEY_LABEL), "oom_killed": self.oom_killed,
+                "finished_at": None if self.running or self.finished_s is None else round(self.finished_s, 3)}
 
 
 def fmt_duration(s: float | None) -> str:
@@ -94,7 +96,8 @@ def _container(doc: dict[str, Any], host_now: float | None) -> Container:
     return Container(id=doc.get("Id", ""), name=(doc.get("Name") or "").lstrip("/"), status=status,
                      exit_code=int(st.get("ExitCode") or 0), restart_count=int(doc.get("RestartCount") or 0),
                      image_id=doc.get("Image", ""), labels=dict((doc.get("Config") or {}).get("Labels") or {}),
-                     uptime_s=uptime, error=st.get("Error") or "", oom_killed=bool(st.get("OOMKilled")))
+                     uptime_s=uptime, error=st.get("Error") or "", oom_killed=bool(st.get("OOMKilled")),
+                     finished_s=_parse_time(st.get("FinishedAt", "")))
 
 
 def list_containers(sh: HostShell, deployment: str, timeout: float = 30.0) -> list[Container]:

@@ -14,7 +14,7 @@ from .. import apikey
 from ..executors.ssh import SSHError
 from ..outcomes import HostFailure, HostResult
 from ..secrets import mask_text
-from . import api, probe
+from . import api, diagnosis, probe
 from .commands import list_argv, logs_argv
 from .containers import Container, list_containers, logs_tail, remove_all
 from ..executors.shells import HostShell, Shells
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..runrecord import HostLog, RunContext
 
 SAVED_LOG_LINES = 500
+STOPPED_TAIL = 30             # status: log lines read of a stopped container (its cause is near its end)
 CLEANUP_CONNECT_S = 5.0
 DOWN_CONNECT_S = 10.0
 LOGS_TAIL_TIMEOUT_S = 60
@@ -72,6 +73,12 @@ def host_status(dep: "Deployment", sh: HostShell) -> dict[str, Any]:
         return row
     row.update(reachable=True, containers=[c.to_json() for c in read.containers],
                image={"ref": dep.recipe.engine.image, "id": read.image_id})
+    for c, doc in zip(read.containers, row["containers"]):
+        if not c.running:     # the evidence of why it stopped (diagnosis.first_failure reads it)
+            try:
+                doc["log_tail"] = mask_text("\n".join(logs_tail(sh, c.id, STOPPED_TAIL))).splitlines()
+            except Exception as e:  # noqa: BLE001 - the state is known without it
+                doc["log_tail"] = [f"(its log could not be read: {e})"]
     data: dict[str, Any] = {}
     if "engram" in read.staged:
         e = read.staged["engram"]
@@ -100,11 +107,12 @@ def cluster_status(dep: "Deployment") -> dict[str, Any]:
         with Shells(dep.cluster, CLEANUP_CONNECT_S) as shells:
             rows = parallel(names, lambda n: host_status(dep, shells[n]))
         chk = asked.result()
+    hosts = [rows[n] if isinstance(rows[n], dict) else {"host": n, "reachable": False, "error": str(rows[n])}
+             for n in names]
     return {"deployment": dep.name, "recipe": r.name, "image": r.engine.image,
             "api": {"url": dep.api_url, "healthy": chk.ok, "detail": chk.detail, "key_rejected": chk.rejected,
                     "api_key_id": dep.api_key.key_id if dep.api_key else None},
-            "hosts": [rows[n] if isinstance(rows[n], dict) else
-                      {"host": n, "reachable": False, "error": str(rows[n])} for n in names]}
+            "hosts": hosts, "failure": diagnosis.first_failure([h for h in hosts if h.get("reachable")])}
 
 
 def key_rotation(dep: "Deployment") -> str | None:

@@ -24,7 +24,7 @@ from ..deployment import Deployment
 from ..outcomes import HostResult
 from ..plan import Action
 from ..runrecord import HostLog, RunContext
-from . import api
+from . import api, diagnosis
 from .containers import Container, list_containers, logs_tail
 from ..executors.shells import Shells, run_shells
 from ..outcomes import parallel
@@ -93,8 +93,9 @@ class _Watch:
         out = []
         for n in self.names:
             if n in bad:
-                t = tails.get(n)
-                out.append(self.result(n, "failed", bad[n], tail=t if isinstance(t, list) else None))
+                t = tails.get(n) if isinstance(tails.get(n), list) else None
+                why = diagnosis.cause(t) if t else ""
+                out.append(self.result(n, "failed", bad[n] + (f": {why}" if why else ""), tail=t))
             else:
                 out.append(self.result(n, "skipped", others))
         return out
