@@ -854,7 +854,14 @@ class TestCluster:
         st.fabric_subnet = f"10.214.{subnet_index(self.name)}.0/24"
         st.fabric_iptables_rule = _iptables_rule(self.name, self.fabric_bridge, "fabric")
         st.engines = {h.name: self.engine_of(h).name for h in self.hosts}
+        st.mounts = [str(s)]
         st.save()                       # recorded before anything is made
+        # The state folder becomes a shared mount: each host's dockerd runs in a mount namespace of its
+        # own (a slave of this one, _spawn_dockerd), and a mount made here later below the folder (a
+        # small filesystem under a host's folder, small_fs) must reach it and its containers. A slave
+        # receives only from a shared peer group; this machine's own mounts may be private.
+        _run(["mount", "--bind", str(s), str(s)])
+        _run(["mount", "--make-rshared", str(s)])
 
         # keys: one client key, one host key per host
         procs = [subprocess.Popen(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"dctl-{self.name}-client",
