@@ -36,12 +36,12 @@ pytestmark = pytest.mark.cluster
 RECIPE, SERVED = "vllm-cpu", "tiny-llama"
 HUB_PORT = 18091                      # this module's Hub endpoint (test_fetch_model: 18088, test_releases: 18090)
 LOCAL = "unix:///var/run/docker.sock"
-UP_TIMEOUT = 900                      # a cold TP=4 up here: ship 2.6 GB twice, ~2 min of engine start
+UP_TIMEOUT = 900                      # a cold TP=4 up here: ship 2.3 GB twice, ~1 min of engine start
 KEY = "sk-deployctl-real-vllm-test-0123456789"
 PROMPTS = ["one two three", "Count from 1 to 10.", "the quick brown fox", "spark cluster fabric memory"]
 NEW_TOKENS = 16
-REQUEST_WAIT_S = 15                   # after a rank died: how long the next request may take
-HEAD_WAIT_S = 8                       # ... and how long the head is watched for its exit
+REQUEST_WAIT_S = 10                   # after a rank died: how long the next request may take
+HEAD_WAIT_S = 5                       # ... and how long the head is watched for its exit
 FOUND: dict[str, object] = {}         # what one test measured and a later one compares
 
 
