@@ -55,7 +55,8 @@ def _build_images() -> dict[str, str]:
 def rl4(cluster, double_image, tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("rl4")
     synth = engram_synth(d)
-    overrides = {"engine.master_port": 29641, **engram_overrides(synth)}
+    # engram.staging auto (the recipes' default): every node links its own checkpoint's Engram shards
+    overrides = {"engine.master_port": 29641, **engram_overrides(synth), "engram.staging": "auto"}
     hub_root, hub_host = d / "hub", cluster.hosts[-1]
     commit = publish(hub_root, overrides["model.repo"], synth.ckpt)
     url = cluster.start_hub(hub_host, hub_root, port=HUB_PORT)
@@ -148,9 +149,18 @@ def test_ups_record_releases_and_a_no_op_adds_none(cluster, rl4):
     p = _up(inv, TAGS["a"])
     assert p.returncode == 0, out(p)
     assert "recorded release 1" in unwrap(out(p)), out(p)
-    p = _up(inv, TAGS["a"])
+    p = _up(inv, TAGS["a"], "--json")
     assert p.returncode == 0, out(p)
-    assert "release 1 still runs" in unwrap(out(p)) and "recorded release" not in out(p), out(p)
+    doc = json.loads(p.stdout)
+    assert doc["release"]["recorded"] is False and doc["release"]["current"] == 1, doc["release"]
+    # #33: the first no-op after the cold up hashes nothing, though stage-engram hard-linked the
+    # Engram shards' blobs (ctime and link count moved, not a byte) on every node
+    res = {(r["stage"], r["host"]): r for s in doc["stages"] for r in s["results"]}
+    head = cluster.hosts[0].name
+    assert res[("fetch-model", head)]["status"] == "skipped" and "up to date" in res[("fetch-model", head)]["message"]
+    for h in cluster.hosts:
+        assert "shard links" in res[("stage-engram", h.name)]["message"], res[("stage-engram", h.name)]
+        assert res[("sync-model", h.name)]["data"]["hashed_bytes"] == 0, res[("sync-model", h.name)]
     p = _up(inv, TAGS["b"], "--json")
     assert p.returncode == 0, out(p)
     doc = json.loads(p.stdout)

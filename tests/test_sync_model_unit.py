@@ -65,6 +65,40 @@ def test_manifest_follows_links_and_caches(tmp_path):
     assert forced["hashed_bytes"] == m["hashed_bytes"]
 
 
+def test_a_hard_link_is_not_a_change_but_a_write_that_restored_mtime_is(tmp_path):
+    """#33: stage-engram hard-links the Engram shards' blobs; link(2) moves their ctime and link
+    count only. The head's manifest and fetch-model's check must not re-hash them for that; a rewrite
+    that put the mtime back (the link count unchanged) must still be caught."""
+    from orchestrator.hostside import hubfetch
+    snap = hf_repo(tmp_path / "models--o--m", FILES)
+    cache = tmp_path / "nvme" / "c.json"
+    shard = snap / "model-00001-of-00002.safetensors"
+    _, m, _ = hostside("manifest", "--root", str(snap), "--cache", str(cache))
+    st0 = shard.stat()
+    job = {"model_cache": str(tmp_path), "repo": "o/m", "commit": snap.name, "state": str(tmp_path / "state.json"),
+           "files": [{"name": n, "size": len(d), "sha256": "x" * 64, "blob_id": ""} for n, d in FILES.items()]}
+    hubfetch.write_json(job["state"], {"version": hubfetch.STATE_VERSION, "repo": "o/m", "commits": {snap.name: {
+        "files": {f["name"]: {"etag": "x" * 64, "stat": hubfetch.stat_key((snap / f["name"]).stat()),
+                              "nlink": (snap / f["name"]).stat().st_nlink} for f in job["files"]}}}})
+    (tmp_path / "staged").mkdir()
+    os.link(os.path.realpath(shard), tmp_path / "staged" / shard.name)        # what engram_stage.py does
+    assert shard.stat().st_ctime_ns != st0.st_ctime_ns and shard.stat().st_nlink == 2
+    _, again, _ = hostside("manifest", "--root", str(snap), "--cache", str(cache))
+    assert again["files"] == m["files"] and again["hashed_bytes"] == 0
+    done, todo, _ = hubfetch.plan_files(job)
+    assert len(done) == len(FILES) and todo == []
+    (tmp_path / "staged" / shard.name).unlink()                                 # and removed again
+    assert hostside("manifest", "--root", str(snap), "--cache", str(cache))[1]["hashed_bytes"] == 0
+    st = shard.stat()                                                           # a write, mtime put back
+    with open(shard, "r+b") as fh:
+        fh.write(b"\0" * 8)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    _, third, _ = hostside("manifest", "--root", str(snap), "--cache", str(cache))
+    assert third["hashed_bytes"] == len(FILES[shard.name]) and third["files"] != m["files"]
+    done, todo, _ = hubfetch.plan_files(job)
+    assert [f["name"] for f in todo] == [shard.name]
+
+
 def test_manifest_errors_name_the_fix(tmp_path):
     snap = hf_repo(tmp_path / "models--o--m", {"a.safetensors": b"x"})
     rc, _, err = hostside("manifest", "--root", str(snap.parent / "main"), "--cache", str(tmp_path / "c"))

@@ -6,7 +6,8 @@ first N bytes of stdin, the job's JSON the rest, so the token never appears in a
   resolve  (the head's python3, standard library) the Hub's model_info for the recipe's revision:
            the commit it names and the files the allow patterns select, with sizes and hashes.
   check    (the head's python3) is the snapshot at that commit complete and verified? Decided from
-           the state file by size, mtime, ctime and inode, without reading a byte (--rehash: no).
+           the state file by size, mtime, ctime and inode, without reading a byte (--rehash: no);
+           a ctime that moved with the link count alone is a hard link (stage-engram's), not a write.
   fetch    (in the serving image, whose python has huggingface_hub: vLLM and SGLang depend on it)
            check free space, download what is missing with the client's own transfer code, verify,
            publish into the HF cache layout, write the sync-model hash cache, then the state file.
@@ -181,6 +182,13 @@ def stat_key(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
+def same_file(key: list[int], nlink: int | None, st: os.stat_result) -> bool:
+    """hostside/modelsync.py `same_file` (this file runs alone on the head): unchanged, or only ctime
+    moved with the link count (stage-engram's hard link to a shard's blob)."""
+    now = stat_key(st)
+    return key == now or (nlink is not None and st.st_nlink != nlink and key[:2] == now[:2] and key[3] == now[3])
+
+
 def load_state(path: str) -> dict:
     try:
         with open(path) as fh:
@@ -219,8 +227,8 @@ def plan_files(job: dict) -> tuple[list[dict], list[dict], int]:
             st = os.stat(os.path.join(snap, f["name"]))
         except OSError:
             st = None
-        if (not job.get("rehash") and rec and st is not None and rec["stat"] == stat_key(st)
-                and rec["etag"] == etag(f)):
+        if (not job.get("rehash") and rec and st is not None and rec["etag"] == etag(f)
+                and same_file(rec["stat"], rec.get("nlink"), st)):
             done.append(f)
             continue
         todo.append(f)
@@ -486,7 +494,7 @@ def op_fetch(job: dict) -> dict:
             os.close(fd)
         st = os.stat(os.path.join(snap, f["name"]))
         verified[f["name"]] = {"size": f["size"], "etag": etag(f), "sha256": f["sha256"],
-                               "blob_id": f["blob_id"], "stat": stat_key(st)}
+                               "blob_id": f["blob_id"], "stat": stat_key(st), "nlink": st.st_nlink}
     _feed_modelsync(job, snap, verified)
     state = load_state(job["state"]) or {"version": STATE_VERSION, "repo": job["repo"], "commits": {}}
     state["commits"][job["commit"]] = {"revision": job["revision"], "files": verified, "verified_at": time.time()}
@@ -515,7 +523,7 @@ def _feed_modelsync(job: dict, snap: str, verified: dict) -> None:
     files = doc.get("files", {})
     for name, v in verified.items():
         if v["sha256"]:
-            files[name] = v["stat"] + [v["sha256"]]
+            files[name] = v["stat"] + [v["sha256"], v["nlink"]]
     write_json(path, {"version": CACHE_VERSION, "root": root, "files": files})
 
 

@@ -14,9 +14,11 @@ operation's input). It writes nothing on the host except its hash cache and, whe
   unmark --root DIR --marker NAME
       Remove a marker written by `manifest --marker`.
 
-Hash cache: FILE maps a relative path to [size, mtime_ns, ctime_ns, inode, sha256] of the file it
-was hashed from; a file is re-hashed only when one of those changed (ctime: a rewrite that restored
-the mtime still shows). Names starting with `.deployctl` are ours (partial-dir, markers): never listed.
+Hash cache: FILE maps a relative path to [size, mtime_ns, ctime_ns, inode, sha256, nlink] of the file
+it was hashed from; a file is re-hashed only when one of those changed (ctime: a rewrite that restored
+the mtime still shows), except a ctime that moved with the link count alone: a hard link added or
+removed (stage-engram links the Engram shards; link(2) and unlink(2) change ctime, not one byte), so
+the first no-op after a cold up hashes nothing. --rehash trusts no stat at all. Names starting with `.deployctl` are ours (partial-dir, markers): never listed.
 Progress goes to stderr as `progress HASHED TOTAL` lines; errors exit 3 with one line on stderr.
 """
 from __future__ import annotations
@@ -80,6 +82,14 @@ def stat_key(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
+def same_file(key: list[int], nlink: int | None, st: os.stat_result) -> bool:
+    """ST is still the file stamped KEY (and NLINK links): nothing moved, or only ctime together with
+    the link count (a hard link added or removed; a write moves mtime, a writer that restores mtime
+    leaves the link count alone). hostside/hubfetch.py applies the same rule to its state."""
+    now = stat_key(st)
+    return key == now or (nlink is not None and st.st_nlink != nlink and key[:2] == now[:2] and key[3] == now[3])
+
+
 def sha256_file(path: str, on_bytes) -> str:
     h = hashlib.sha256()
     buf = bytearray(CHUNK)
@@ -111,10 +121,13 @@ class HashCache:
 
     def get(self, rel: str, st: os.stat_result) -> str | None:
         e = self.entries.get(rel)
-        return e[4] if e and e[:4] == stat_key(st) else None
+        if not e or not same_file(e[:4], e[5] if len(e) > 5 else None, st):
+            return None
+        self.put(rel, st, e[4])           # restamped: a later change is measured from this stat
+        return e[4]
 
     def put(self, rel: str, st: os.stat_result, sha: str) -> None:
-        self.entries[rel] = stat_key(st) + [sha]
+        self.entries[rel] = stat_key(st) + [sha, st.st_nlink]
 
     def save(self, keep: set[str]) -> None:
         """Atomically (temp, fsync, rename); only entries for files that still exist. Best effort:

@@ -76,7 +76,8 @@ def verify(dep: "Deployment", host: "Host", op: HostsideOp, m: Manifest, st: Set
 def report(m: Manifest, v: Verdict, **more) -> dict:
     """The per-host JSON report's common part."""
     d = {"files_total": len(m.files), "bytes_total": m.total_bytes, "manifest_digest": m.digest,
-         "checkpoint_dir": v.root, "files_ok_before": v.ok, "extra_files": list(v.extra[:20])}
+         "checkpoint_dir": v.root, "files_ok_before": v.ok, "extra_files": list(v.extra[:20]),
+         "hashed_bytes": v.hashed_bytes}     # what the worker re-hashed to verify (0: all from its cache)
     d.update(more)
     return d
 
