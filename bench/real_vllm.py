@@ -67,7 +67,7 @@ def engine_time(dep) -> float:
     """The head container's start -> its 'Application startup complete.' (docker's own clocks). The
     workers start before it (workers-first); the time deployctl spends starting them one by one and the
     configured start_wait_s count as deployctl's, not the engine's."""
-    h = next(h for h in dep.cluster.hosts if h.name == dep.cluster.head)
+    h = dep.cluster.head_host
     ids = subprocess.run(["docker", "-H", h.docker_host, "ps", "-q", "--filter",
                           f"label=deployctl.deployment={dep.name}"], capture_output=True, text=True).stdout.split()
     doc = json.loads(subprocess.run(["docker", "-H", h.docker_host, "inspect", ids[0]], capture_output=True,

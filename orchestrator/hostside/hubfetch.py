@@ -184,7 +184,9 @@ def stat_key(st: os.stat_result) -> list[int]:
 
 def same_file(key: list[int], nlink: int | None, st: os.stat_result) -> bool:
     """hostside/modelsync.py `same_file` (this file runs alone on the head): unchanged, or only ctime
-    moved with the link count (stage-engram's hard link to a shard's blob)."""
+    moved with the link count (stage-engram's hard link to a shard's blob). `check` only reads the
+    state, so the link count compared is the one at the last fetch: removing the links again (back to
+    that count, a new ctime) costs one re-verification, never a missed write."""
     now = stat_key(st)
     return key == now or (nlink is not None and st.st_nlink != nlink and key[:2] == now[:2] and key[3] == now[3])
 

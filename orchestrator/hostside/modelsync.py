@@ -18,7 +18,8 @@ Hash cache: FILE maps a relative path to [size, mtime_ns, ctime_ns, inode, sha25
 it was hashed from; a file is re-hashed only when one of those changed (ctime: a rewrite that restored
 the mtime still shows), except a ctime that moved with the link count alone: a hard link added or
 removed (stage-engram links the Engram shards; link(2) and unlink(2) change ctime, not one byte), so
-the first no-op after a cold up hashes nothing. --rehash trusts no stat at all. Names starting with `.deployctl` are ours (partial-dir, markers): never listed.
+the first no-op after a cold up hashes nothing; an entry so accepted is restamped. --rehash trusts
+no stat at all. Names starting with `.deployctl` are ours (partial-dir, markers): never listed.
 Progress goes to stderr as `progress HASHED TOTAL` lines; errors exit 3 with one line on stderr.
 """
 from __future__ import annotations
