@@ -263,6 +263,10 @@ def test_bench_command_json_reference_and_fail_on_regression(double, tmp_path):
     assert doc["schema"] == "deployctl.bench/1"
     assert doc["config"]["url"] == url and doc["config"]["model"] == MODEL
     assert doc["config"]["concurrency"] == [1, 2] and doc["config"]["rounds"] == 2
+    # the prompt sized by two probes on the served tokenizer: the double counts one token per word
+    assert doc["config"]["prompt"] == {"words": 32, "tokens_per_word": 1.0, "probe_prompt_tokens": [4, 36],
+                                       "note": ""}
+    assert [x["prompt_tokens"] for x in doc["levels"]] == [32, 32]
     assert doc["warmup"] == {"requests": 1, "errors": 0}
     assert [(x["concurrency"], x["requests"], x["completed"], x["errors"]) for x in doc["levels"]] == \
         [(1, 2, 2, 0), (2, 4, 4, 0)]
@@ -333,9 +337,9 @@ def test_api_that_does_not_answer_or_serves_another_model(tmp_path, double):
 
 
 def test_server_erroring_mid_sweep_is_reported_not_averaged(tmp_path):
-    # warm-up 1 + C=1: 3 successes = 4; C=2: both first requests arrive at 4 < 5 and succeed, the other
-    # 4 get HTTP 500; C=4: every request fails.
-    proc, port, url, log = start_double(tmp_path, DOUBLE_FAIL="error-mid", DOUBLE_ERROR_AFTER="5")
+    # 2 prompt-sizing probes + warm-up 1 + C=1: 3 successes = 6; C=2: both first requests arrive at
+    # 6 < 7 and succeed, the other 4 get HTTP 500; C=4: every request fails.
+    proc, port, url, log = start_double(tmp_path, DOUBLE_FAIL="error-mid", DOUBLE_ERROR_AFTER="7")
     try:
         inv = write_inventory(tmp_path, port)
         n = 8

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from orchestrator import releases as rel
+from orchestrator.benchmark.loadgen import SALT_WORDS
 from orchestrator.deployment import load_deployment
 from tests.cluster.cluster import REAL_VLLM_REPO, inventory_data
 from tests.hub_endpoint import publish
@@ -223,6 +224,17 @@ def test_tp1_api_key_reaches_the_real_middleware(cluster, vllm_image, hub, tmp_p
     assert code == 200 and [m["id"] for m in models["data"]] == [SERVED]
     FOUND["probe_real"] = probe_all(url, KEY, SERVED)
     FOUND["tp1_ids"] = greedy_ids(cluster.hosts[0], 18111, KEY)
+    # bench sizes its prompt on the served tokenizer (the tiny byte-level BPE splits the words into
+    # about 2.3 tokens each): what reaches the engine is about input_tokens tokens beyond the chat
+    # template, which the first probe (the salt words alone) measures (loadgen.size_prompt)
+    p = dctl("bench", "-i", str(inv), "--concurrency", "1", "--rounds", "2", "--input-tokens", "32",
+             "--max-tokens", "4", "--no-warmup", "--json", timeout=300)
+    assert p.returncode == 0, out(p)
+    doc = json.loads(p.stdout)
+    size, (lv,) = doc["config"]["prompt"], doc["levels"]
+    assert size["tokens_per_word"] > 1.2 and size["words"] < 32 and lv["errors"] == 0, (size, lv)
+    template = size["probe_prompt_tokens"][0] - SALT_WORDS * size["tokens_per_word"]
+    assert abs(lv["prompt_tokens"] - template - 32) <= 0.15 * 32 + size["tokens_per_word"], (size, lv)
     st = json.loads(dctl("status", "-i", str(inv), "--json").stdout)
     assert st["api"]["healthy"] and st["hosts"][0]["containers"][0]["api_key_id"]
     (cid,) = containers(cluster, cluster.hosts[0].name, "rv1")

@@ -4,12 +4,18 @@ Definitions (the same as the measured results in docs/deployment-facts.md):
 
 * A level at concurrency C runs C workers at once; each worker sends `rounds` requests back to back
   (closed loop), so a level makes C x rounds requests with C in flight at all times.
-* TTFT: request sent -> first chunk carrying generated text (queueing and prefill included).
+* TTFT: request sent -> first chunk carrying a generated token (queueing and prefill included),
+  by vLLM's rule for which chunks do (`_is_token`).
 * ITL: (last token time - first token time) / (output tokens - 1), the mean gap per token after the
   first (per token, not per chunk: speculative decoding sends several tokens per chunk).
 * TPS: output tokens / whole request time (TTFT included), per request.
 * Latency: request sent -> end of the stream.
 * Output tokens: `usage.completion_tokens` of the final usage chunk, else the number of text chunks.
+* Input tokens: the prompt's filler is sized on the served model's own tokenizer before the sweep
+  (`size_prompt`), so that `input_tokens` counts the model's tokens, not words, as vLLM's own
+  `vllm bench serve` does (vllm/benchmarks/serve.py aligns its random prompts with the server's
+  /tokenize; lib/endpoint_request_func.py counts usage.prompt_tokens). The chat template's own tokens
+  come on top, in both.
 
 All timing uses the monotonic clock (time.perf_counter). Every request has a deadline: network errors,
 HTTP errors, error events inside the stream and streams that end early are failures, never hangs.
@@ -17,7 +23,9 @@ HTTP errors, error events inside the stream and streams that end early are failu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,6 +50,11 @@ class LoadSpec:
     timeout_s: float = 300.0       # per request, whole stream
     connect_timeout_s: float = 10.0
     api_key: str | None = field(default=None, repr=False)   # sent as a Bearer token; never in a report
+    prompt_words: int | None = None  # filler words per prompt (size_prompt); None: input_tokens words
+
+    @property
+    def words(self) -> int:
+        return self.prompt_words or self.input_tokens
 
 
 @dataclass
@@ -78,16 +91,28 @@ class LevelRun:
     results: list[RequestResult] = field(default_factory=list)
 
 
+SALT_WORDS = 4   # the words that spell a request's salt: len(_WORDS) ** 4 = 2.56 M different starts
+
+
 def synthetic_prompt(n_words: int, salt: int) -> str:
-    """About n_words one-token words; `salt` makes each request's prefix unique (no prefix-cache hits)."""
-    words = [f"R{salt}:"] + [_WORDS[(salt * 7 + i * 13) % len(_WORDS)] for i in range(max(0, n_words - 1))]
-    return " ".join(words)
+    """n_words words (at least one). The first SALT_WORDS spell `salt` in base len(_WORDS), so every
+    request's prompt starts differently (no prefix-cache hits) and is made of the same words as the
+    filler (size_prompt's cost per word holds for the whole prompt)."""
+    k = len(_WORDS)
+    head = [_WORDS[(salt // k ** i) % k] for i in range(SALT_WORDS)]
+    filler = [_WORDS[(salt * 7 + i * 13) % k] for i in range(max(0, n_words - SALT_WORDS))]
+    return " ".join((head + filler)[:max(1, n_words)])
+
+
+def _salt_base() -> int:
+    """A per-run start for the salts, so that reruns against one engine do not hit its prefix cache."""
+    return random.randrange(len(_WORDS) ** SALT_WORDS)
 
 
 def request_body(spec: LoadSpec, salt: int) -> dict:
     return {
         "model": spec.model,
-        "messages": [{"role": "user", "content": synthetic_prompt(spec.input_tokens, salt)}],
+        "messages": [{"role": "user", "content": synthetic_prompt(spec.words, salt)}],
         "max_tokens": spec.max_tokens,
         "temperature": 0,
         "stream": True,
@@ -96,9 +121,19 @@ def request_body(spec: LoadSpec, salt: int) -> dict:
     }
 
 
-def _delta_text(choice: dict) -> str:
-    delta = choice.get("delta") or {}
-    return "".join(v for k in _TEXT_KEYS if isinstance(v := delta.get(k), str))
+def _is_token(choice: dict) -> bool:
+    """Whether a stream chunk's choice carries generated output, by vLLM's own rule
+    (vllm/benchmarks/lib/endpoint_request_func.py `_choice_has_streamed_output`): text, reasoning or a
+    tool call; or an empty `content` without `role`, a token that decodes to nothing (a byte-level
+    tokenizer's partial character, a skipped special token). The opening chunk has `role`."""
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    if any(isinstance(v := delta.get(k), str) and v for k in _TEXT_KEYS):
+        return True
+    if delta.get("tool_calls") or delta.get("function_call"):
+        return True
+    return delta.get("content") == "" and "role" not in delta
 
 
 def _error_message(body: str) -> str:
@@ -133,7 +168,7 @@ async def one_request(client: httpx.AsyncClient, spec: LoadSpec, salt: int) -> R
         res.error = f"{type(e).__name__}: {_short(str(e)) or 'connection failed'}"
     res.end = time.perf_counter()
     if res.ok and res.ttft_s is None:
-        res.ok, res.error = False, "stream finished without any generated text"
+        res.ok, res.error = False, "stream finished without any generated token"
     return res
 
 
@@ -166,7 +201,7 @@ async def _stream(client: httpx.AsyncClient, spec: LoadSpec, salt: int, res: Req
                 usage_tokens = usage.get("completion_tokens", usage_tokens)
                 res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
             for choice in event.get("choices") or ():
-                if _delta_text(choice):
+                if _is_token(choice):
                     res.chunks += 1
                     if res.ttft_s is None:
                         res.ttft_s = now
@@ -199,6 +234,44 @@ async def run_level(spec: LoadSpec, concurrency: int, rounds: int, salt0: int = 
     return LevelRun(concurrency, wall, [r for rs in per_worker for r in rs])
 
 
+@dataclass(frozen=True)
+class PromptSize:
+    """How the prompt was sized: `words` filler words make about input_tokens tokens of the served
+    model. `tokens_per_word` is None when the server reports no usage.prompt_tokens (then one word
+    is taken as one token), and `why` says so."""
+    words: int
+    tokens_per_word: float | None
+    probes: tuple[int, ...] = ()   # usage.prompt_tokens of the probes (SALT_WORDS, + input_tokens words)
+    why: str = ""
+
+    def to_json(self) -> dict:
+        return {"words": self.words, "tokens_per_word": None if self.tokens_per_word is None else
+                round(self.tokens_per_word, 3), "probe_prompt_tokens": list(self.probes), "note": self.why}
+
+
+async def size_prompt(spec: LoadSpec, salt: int | None = None) -> PromptSize:
+    """Two unmeasured probes (max_tokens 1), with one salt: a prompt of the salt words alone and one
+    with input_tokens filler words more. The difference of their usage.prompt_tokens is what input_tokens
+    words cost on this model's tokenizer (the chat template cancels out), so input_tokens tokens take
+    input_tokens / slope words, salt included. Any engine that reports usage works (vLLM, SGLang,
+    the double)."""
+    n = spec.input_tokens
+    salt = _salt_base() if salt is None else salt
+    probe = dataclasses.replace(spec, max_tokens=1)
+    async with _client(spec, 1) as client:
+        small = await one_request(client, dataclasses.replace(probe, prompt_words=SALT_WORDS), salt)
+        large = await one_request(client, dataclasses.replace(probe, prompt_words=SALT_WORDS + n), salt)
+    got = [r.prompt_tokens for r in (small, large)]
+    if not (small.ok and large.ok):
+        why = next(r.error for r in (small, large) if not r.ok)
+        return PromptSize(n, None, why=f"prompt not sized (a probe failed: {why}); one word per token")
+    if not all(isinstance(t, int) for t in got) or got[1] <= got[0]:
+        return PromptSize(n, None, tuple(t for t in got if isinstance(t, int)),
+                          why="the server reports no usable usage.prompt_tokens; one word per token")
+    slope = (got[1] - got[0]) / n
+    return PromptSize(max(1, round(n / slope)), slope, tuple(got))
+
+
 async def list_models(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> list[str]:
     """Served model names from GET /v1/models (raises httpx.HTTPError when the API does not answer)."""
     async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=_auth(api_key)) as client:
@@ -209,10 +282,11 @@ async def list_models(url: str, timeout_s: float = 10.0, api_key: str | None = N
 
 async def sweep(spec: LoadSpec, levels: tuple[int, ...], warmup: bool = True,
                 progress: Callable[[str], None] | None = None) -> tuple[LevelRun | None, list[LevelRun]]:
-    """Warm-up round (one request per worker of the first level, not measured), then each level in order."""
+    """Warm-up round (one request per worker of the first level, not measured), then each level in
+    order, with spec.prompt_words words per prompt (size it first with size_prompt)."""
     say = progress or (lambda _msg: None)
     warm = None
-    salt = int(time.time()) % 100000 * 1000
+    salt = _salt_base()
     if warmup and levels:
         say(f"warm-up: {levels[0]} request(s)")
         warm = await run_level(spec, levels[0], 1, salt)

@@ -23,6 +23,8 @@ def print_report(rep: Report, console: Console | None = None) -> None:
     c.print(f"[bold]bench[/bold] {escape(str(cfg.get('url')))} model {escape(str(cfg.get('model')))}: "
             f"~{b.input_tokens} input / {b.max_tokens} output tokens, {b.rounds} round(s) per worker, "
             f"C x {b.rounds} requests per level; RPS = completed / wall time, RPS/C per stream")
+    if (note := (cfg.get("prompt") or {}).get("note")):
+        c.print(f"[yellow]{escape(note)}[/yellow]")
     if rep.warmup.get("errors"):
         c.print(f"[yellow]warm-up: {rep.warmup['errors']}/{rep.warmup['requests']} request(s) failed[/yellow]")
 

@@ -63,7 +63,7 @@ def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, concurr
     Exit codes: 0 done (whatever the verdicts), 1 the API did not answer, or --fail-on-regression and a
     regression or failed request, 2 bad input.
     """
-    from ..benchmark.loadgen import LoadSpec, list_models, sweep
+    from ..benchmark.loadgen import LoadSpec, list_models, size_prompt, sweep
     from ..benchmark.report import build_report, run_config, to_json
 
     dep = load_deployment(inventory, recipe, tuple(sets))
@@ -101,9 +101,14 @@ def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, concurr
     if spec.model not in served:
         raise StageFailed(f"{base} does not serve {spec.model!r} (served: {', '.join(served) or 'none'}); "
                           f"check engine.served_name in recipe {r.name}")
+    size = asyncio.run(size_prompt(spec))
+    spec = dataclasses.replace(spec, prompt_words=size.words)
+    say(f"prompt: {size.words} words for {spec.input_tokens} tokens"
+        + (f" ({size.tokens_per_word:.2f} tokens per word on {spec.model})" if size.tokens_per_word else
+           f"; {size.why}"))
     warm, runs = asyncio.run(sweep(spec, bench.concurrency, warmup=warmup, progress=say))
-    rep = build_report(runs, bench, run_config(spec, bench, warmup, deployment=dep.name, recipe=r.name),
-                       warm)
+    rep = build_report(runs, bench, run_config(spec, bench, warmup, deployment=dep.name, recipe=r.name,
+                                               prompt=size.to_json()), warm)
     if plot_path:
         from ..benchmark.plot import build_figure, save_png
         save_png(build_figure(rep), plot_path)

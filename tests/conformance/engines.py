@@ -23,7 +23,7 @@ VERSIONS = HERE / "versions.txt"
 # which venv each probe runs in
 PROBE_ENGINE = {"vllm_argv": "vllm", "vllm_engram_ranges": "vllm", "vllm_auth": "vllm",
                 "sglang_argv": "sglang", "sglang_ple_table": "sglang", "sglang_patch": "sglang",
-                "sglang_auth": "sglang", "transformers_greedy": "vllm"}
+                "sglang_auth": "sglang", "transformers_greedy": "vllm", "vllm_stream_chunks": "vllm"}
 BUILD_TIMEOUT_S = 1800
 PROBE_TIMEOUT_S = 600
 TAIL_LINES = 40
