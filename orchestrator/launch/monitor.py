@@ -8,13 +8,16 @@ Each round (every health.poll_interval_s, bounded by health.startup_timeout_s):
   keep the ID and restart count it had when first seen. An exit, a restart or an unreachable host
   fails that host, with its `docker logs --tail` lines;
 - the head's API: /health 200, the served name in /v1/models, a real chat completion
-  (health.prompt, health.max_tokens, health.request_timeout_s). Until it answers, the last
-  progress-looking line of the head's engine log is shown ("Loading weights: 40%");
+  (health.prompt, health.max_tokens, health.request_timeout_s). Until it answers it is probed every
+  API_POLL_S between the rounds, so readiness is seen as it happens, not up to a round later; the
+  last progress-looking line of the head's engine log is shown once a round ("Loading weights: 40%");
 - once it answered, containers must stay up: health.stay_up_s after the answer when this run
-  started them, else until each has been up that long.
+  started them, else until each has been up that long. The last round falls on the end of that
+  wait, not on the next poll after it.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -31,6 +34,7 @@ from ..outcomes import parallel
 from .results import failure, record
 
 STAGE_NAME = "health"
+API_POLL_S = 0.25      # between API probes while the engine is not ready yet
 
 
 def apply(dep: Deployment, actions: list[Action], ctx: RunContext) -> list[HostResult]:
@@ -116,30 +120,37 @@ class _Watch:
         t0 = time.monotonic()
         deadline = t0 + h.startup_timeout_s
         fresh = bool(set(self.names) & ctx.state.launched)
-        answered_at: float | None = None
+        done_at: float | None = None       # answered: when the stay-up wait ends
+        next_round = t0                    # the next look at every host's container
+        stay_check = math.inf              # answered: one round at done_at, then the rounds decide
         answer = ""
         last_shown = None
         last = api.ApiCheck(False, "health", "not checked yet")
         while True:
             if ctx.cancel.is_set():
                 return [self.result(n, "failed", "cancelled (Ctrl-C)") for n in self.names]
-            bad = self.containers()
-            if bad:
-                return self.fail(bad, f"check stopped: {', '.join(sorted(bad))} failed")
             now = time.monotonic()
-            if answered_at is None:
+            round_due = now >= next_round or now >= stay_check
+            if round_due:
+                bad = self.containers()
+                if bad:
+                    return self.fail(bad, f"check stopped: {', '.join(sorted(bad))} failed")
+                next_round = time.monotonic() + h.poll_interval_s
+            if done_at is None:
                 last = api.check(self.client, dep.api_url, e.served_name, h.prompt, h.max_tokens,
                                  h.request_timeout_s, dep.api_key)
                 now = time.monotonic()
                 if last.ok:
-                    answered_at, answer = now, last.detail
+                    answer = last.detail
+                    done_at = stay_check = now + (h.stay_up_s if fresh else 0.0)
                     self.logs[self.head].write(f"API answered after {now - t0:.1f}s: {answer}")
                     ctx.say(f"  {self.head}: API answered after {now - t0:.0f}s: {escape(answer)}")
-                elif last.rejected:
+                    continue
+                if last.rejected:
                     return self.rejected(last)
-                elif last.fatal:
+                if last.fatal:
                     return self.fail({self.head: last.detail}, f"check stopped: the API on {self.head} is wrong")
-                else:
+                if round_due:              # the head's log over SSH: once a round, not once a probe
                     line = self.progress()
                     shown = line or last.detail
                     self.logs[self.head].write(f"waiting ({now - t0:.0f}s): {last.detail}; engine: {line}")
@@ -147,15 +158,26 @@ class _Watch:
                         ctx.say(f"  {self.head}: waiting for the API ({now - t0:.0f}s of "
                                 f"{h.startup_timeout_s:g}s): {escape(shown)}")
                         last_shown = shown
-                    if now >= deadline:
-                        return self.timeout(last, now - t0)
-            if answered_at is not None:
+                if now >= deadline:
+                    return self.timeout(last, now - t0)
+                # The API alone is probed every API_POLL_S (a refused connection costs nothing), so
+                # the answer is seen within a fraction of a second of the engine's readiness; the
+                # containers, over SSH, every poll_interval_s.
+                ctx.cancel.wait(max(0.0, min(API_POLL_S, next_round - time.monotonic())))
+                continue
+            if round_due and now >= done_at:
+                # stayed up long enough: every container (also those an earlier run started) up
+                # for stay_up_s by now
                 ups = [c.uptime_s for c in self.current.values()]
-                long_enough = all(u is not None and u >= h.stay_up_s for u in ups)
-                waited = now - answered_at >= (h.stay_up_s if fresh else 0.0)
-                if long_enough and waited:
+                short = [h.stay_up_s - u for u in ups if u is not None and u < h.stay_up_s]
+                if None in ups:
+                    short.append(h.poll_interval_s)
+                if not short:
                     return self.ok(answer, now - t0)
-            ctx.cancel.wait(h.poll_interval_s)
+                stay_check = math.inf
+                next_round = min(next_round, now + max(short))
+            # wake for the next round or the end of the stay-up wait, whichever comes first
+            ctx.cancel.wait(max(0.0, min(next_round, stay_check) - time.monotonic()))
 
     def rejected(self, last: api.ApiCheck) -> list[HostResult]:
         """The engine is up and refuses the key: a failure of the key, not of the engines. The
