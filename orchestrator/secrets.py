@@ -35,7 +35,7 @@ _KEY_KINDS = {"api", "access", "private", "signing", "encryption"}          # <k
 def is_secret_name(name: str) -> bool:
     """HF_TOKEN, hf-token, api-key, OPENAI_API_KEY, apikey, DB_PASSWORD, passwd, MY_SECRET, client-secret,
     credentials, auth-token, oauth, AWS_SECRET_ACCESS_KEY. Not: max-tokens, tokenizer, ssl-keyfile,
-    HF_TOKEN_FILE, api_key_id (a key's public id)."""
+    HF_TOKEN_FILE, api_key_id (a key's public id), kv_bytes_per_token (a unit)."""
     words = [w.lower() for w in _WORD.findall(name)]
     if not words or words[-1] in _ABOUT:
         return False
@@ -43,6 +43,8 @@ def is_secret_name(name: str) -> bool:
         if any(s in w for s in ("secret", "passw", "passphrase", "credential")):
             return True
         if w.endswith(("token", "auth", "apikey", "accesskey", "privatekey")):   # not "tokens", "tokenizer"
+            if w == "token" and i > 0 and words[i - 1] == "per":     # a unit: kv_bytes_per_token, ms_per_token
+                continue
             return True
         if w in ("pass", "creds", "authorization", "bearer"):
             return True

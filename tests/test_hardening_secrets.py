@@ -53,7 +53,8 @@ def test_secret_names(name):
 @pytest.mark.parametrize("name", [
     "max-tokens", "max-num-batched-tokens", "tokenizer", "tokenizer-mode", "ssl-keyfile", "HF_HOME",
     "HF_TOKEN_FILE", "api_key_id", "deployctl.api-key-id", "api_key_rotation", "SSH_AUTH_SOCK",
-    "key_rejected", "table_key", "gpu-memory-utilization", "served-model-name", "-e", "--label"])
+    "key_rejected", "table_key", "gpu-memory-utilization", "served-model-name", "-e", "--label",
+    "model.kv_bytes_per_token", "ms_per_token"])
 def test_ordinary_names(name):
     assert not is_secret_name(name)
 
