@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from .modelfetch.resolved import Resolved
 
 
+WILDCARD_ADDRESSES = frozenset({"0.0.0.0", "::"})   # --host values that bind every interface
+
+
 @dataclass(frozen=True)
 class Deployment:
     cluster: Cluster
@@ -39,8 +42,21 @@ class Deployment:
         return self.cluster.api_port or self.recipe.engine.port
 
     @property
+    def api_listen(self) -> str:
+        """The address the API listens on: the inventory's api_listen, else the head's management
+        address (not every interface: docs/exposure.md)."""
+        return self.cluster.api_listen or self.cluster.head_host.address
+
+    @property
+    def api_listens_everywhere(self) -> bool:
+        return self.api_listen in WILDCARD_ADDRESSES
+
+    @property
     def api_url(self) -> str:
-        return f"http://{self.cluster.head_host.address}:{self.api_port}"
+        """Where the controller reaches the API: the address it listens on, or the head's management
+        address when it listens on every interface."""
+        host = self.cluster.head_host.address if self.api_listens_everywhere else self.api_listen
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.api_port}"
 
     def checkpoint_dir(self, host: Host) -> str:
         """The checkpoint folder on `host`: HF cache layout unless the recipe names a folder."""

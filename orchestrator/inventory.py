@@ -47,6 +47,8 @@ CLUSTER_KEYS = {
     "recipe": "recipe name in recipes/ or a path",
     "head": "the head host's name (rank 0; serves the API)",
     "api_port": "API port on the head",
+    "api_listen": "the address the API listens on (default: the head's management address, ansible_host); "
+                  "0.0.0.0 or :: listens on every interface, the fabric included (said in the plan)",
     "known_hosts_file": "known_hosts file for SSH host key checks",
     "host_key_checking": "check SSH host keys (default true; false is an explicit opt-out)",
     "recipe_overrides": "mapping of recipe key.path: value applied before --set",
@@ -124,6 +126,7 @@ class Cluster:
     hf_endpoint: str = "https://huggingface.co"
     hf_token_file: str | None = None     # a Hub token (orchestrator/modelfetch/access.py); else $HF_TOKEN
     fabric_topology: str = "switch"      # switch | direct | mesh (orchestrator/fabric/topology.py)
+    api_listen: str | None = None        # None: the head's management address (docs/exposure.md)
 
     @property
     def head_host(self) -> Host:
@@ -238,6 +241,10 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     api_port = cvars.get("api_port")
     if api_port is not None and (not isinstance(api_port, int) or not 0 < api_port < 65536):
         raise err(f"expected a TCP port number, got {api_port!r}", "all.vars.api_port")
+    api_listen = cvars.get("api_listen")
+    if api_listen is not None and not _listen_address(api_listen):
+        raise err(f"expected an IP address on the head (or 0.0.0.0 / :: for every interface) or its host "
+                  f"name, got {api_listen!r}", "all.vars.api_listen")
     hkc = cvars.get("host_key_checking", True)
     if not isinstance(hkc, bool):
         raise err(f"expected true or false, got {hkc!r}", "all.vars.host_key_checking")
@@ -283,7 +290,20 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         hf_endpoint=hf_endpoint.rstrip("/"),
         hf_token_file=token_file,
         fabric_topology=topology,
+        api_listen=api_listen,
     )
+
+
+def _listen_address(v: Any) -> bool:
+    """An IP literal or a DNS host name: what vLLM's and SGLang's --host accept (uvicorn binds it)."""
+    if not isinstance(v, str):
+        return False
+    try:
+        ipaddress.ip_address(v)
+        return True
+    except ValueError:
+        return bool(re.fullmatch(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?"
+                                 r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?)*", v))
 
 
 def _check_links(hosts: list[Host], topology: str, err) -> None:

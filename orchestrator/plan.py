@@ -82,6 +82,10 @@ class Plan:
                        "digest": dep.recipe.digest, "overrides": [mask_override(o) for o in dep.loaded.overrides]},
             "head": dep.cluster.head,
             "api": dep.api_url,
+            "api_listen": {"address": dep.api_listen,
+                           "scope": "every interface (all.vars.api_listen)" if dep.api_listens_everywhere
+                           else "the head's management address" if dep.api_listen == dep.cluster.head_host.address
+                           else "one address (all.vars.api_listen)"},
             "hosts": [{"name": h.name, "address": h.address, "rank": h.rank, "hardware": h.hardware,
                        "gpus": h.gpus, "nvme_dir": h.nvme_dir, "model_cache": h.model_cache}
                       for h in dep.cluster.hosts],

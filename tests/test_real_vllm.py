@@ -155,6 +155,7 @@ def test_tp2_up_status_logs_noop_relaunch_rollback_down(cluster, vllm_image, hub
     assert st.returncode == 0, out(st)
     s = json.loads(st.stdout)
     assert s["api"]["healthy"] and [c["status"] for h in s["hosts"] for c in h["containers"]] == ["running"] * 2
+    FOUND["exposure_tp2"] = exposure_is_what_ss_says(cluster, inv, "rv2", hosts, 18110, 29611)
     lg = dctl("logs", "-i", str(inv), "--json", "--tail", "400")
     assert lg.returncode == 0, out(lg)
     logs = json.loads(lg.stdout)["logs"]
@@ -192,6 +193,33 @@ def test_tp2_up_status_logs_noop_relaunch_rollback_down(cluster, vllm_image, hub
     assert p.returncode == 0, out(p)
     assert not any(containers(cluster, h.name, "rv2") for h in hosts)
     _forget_releases(cluster, inv)
+
+
+def exposure_is_what_ss_says(cluster, inv: Path, deployment: str, hosts, api_port: int, master_port: int) -> dict:
+    """`deployctl status --exposure` against `ss` run here in each host's network namespace for the
+    PIDs `docker top` gives (read without deployctl): the same sockets. The real vLLM's API and its
+    TCPStore (the master port) listens on every interface and is flagged (#37); the API listens on the
+    head's management address only (all.vars.api_listen unset)."""
+    p = dctl("status", "-i", str(inv), "--exposure", "--json")
+    assert p.returncode == 0, out(p)
+    found = json.loads(p.stdout)["exposure"]
+    for h in hosts:
+        (cid,) = containers(cluster, h.name, deployment)
+        pids = {x for x in _docker(h.docker_host, "top", cid, "-eo", "pid").stdout.split()[1:]}
+        ss = subprocess.run(["ip", "netns", "exec", h.netns, "ss", "-H", "-l", "-n", "-p", "-t", "-u"],
+                            capture_output=True, text=True, timeout=30).stdout
+        theirs = {(f[0], f[4]) for line in ss.splitlines() if (f := line.split())
+                  and pids & set(re.findall(r"pid=(\d+)", line))}
+        socks = found[h.name]["sockets"]
+        ours = {(x["proto"], f"{'[' + x['address'] + ']' if ':' in x['address'] else x['address']}:{x['port']}")
+                for x in socks}
+        assert ours == theirs and ours, (h.name, ours, theirs)
+        assert all(x["container"] == cid[:12] for x in socks)
+    head = {x["port"]: x for x in found[hosts[0].name]["sockets"]}
+    assert (head[api_port]["scope"], head[api_port]["address"]) == ("management", hosts[0].address), head[api_port]
+    assert not head[api_port]["concern"], head[api_port]
+    assert head[master_port]["scope"] == "every interface" and head[master_port]["concern"], head[master_port]
+    return {n: [(x["proto"], x["address"], x["port"], x["process"]) for x in v["sockets"]] for n, v in found.items()}
 
 
 def _forget_releases(cluster, inv: Path) -> None:
@@ -268,6 +296,7 @@ def test_tp4_serves_what_transformers_computes_then_a_killed_rank_is_named(clust
         assert ids4 == FOUND["tp1_ids"], "TP=4 != TP=1"
     if "tp2_ids" in FOUND:
         assert ids4 == FOUND["tp2_ids"], "TP=4 != TP=2"
+    FOUND["exposure_tp4"] = exposure_is_what_ss_says(cluster, inv, "rv4", cluster.hosts, 18112, 29613)
     # a worker launched while another head still runs on its master port would join that store: a
     # second deployment on node1-2 with rv4's master port is refused before any engine starts
     other = inventory(cluster, hub, tmp_path / "other", "rvs", cluster.hosts[:2], 18114, 29613)

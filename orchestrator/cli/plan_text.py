@@ -16,7 +16,9 @@ def print_plan(plan: Plan, verbose: int = 0, console: Console | None = None) -> 
     r = doc["recipe"]
     c.print(f"[bold]{escape(doc['deployment'])}[/bold]: recipe {escape(r['name'])} ({escape(r['path'])}, "
             f"digest {r['digest']})" + (f", overrides: {escape(' '.join(r['overrides']))}" if r["overrides"] else ""))
-    c.print(f"head {doc['head']}, API {doc['api']}, {len(doc['hosts'])} host(s)")
+    listen = doc.get("api_listen") or {}
+    c.print(f"head {doc['head']}, API {doc['api']} (listening on {listen.get('address')}: "
+            f"{listen.get('scope')}), {len(doc['hosts'])} host(s)")
     for key in plan.extra:
         extra = doc.get(key)
         text = extra.get("text") if isinstance(extra, dict) else None

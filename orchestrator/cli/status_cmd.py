@@ -44,13 +44,18 @@ def _status_table(doc: dict[str, Any]) -> Table:
 @deployment_options
 @click.option("--verify", is_flag=True,
               help="Also re-hash every staged table on every host (in parallel) against its manifest.")
+@click.option("--exposure", is_flag=True,
+              help="Also list every socket the deployment's containers listen on, per host (ss, read there), "
+                   "and who can reach it.")
 @handle_errors
-def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify):
+def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify, exposure):
     """Per host: container state, image ID, uptime, restarts, staged data; and the API's health.
 
     Read-only (with --verify, a table found corrupt loses its manifest, so the next `up` restages it).
-    Exit 0 when every host answered (whatever their state), 1 when a host or its Docker engine could
-    not be reached, or a table failed --verify.
+    --exposure adds, per host, the listening sockets of the deployment's containers (protocol, address,
+    port, process), the networks that reach each, and a concern where an internal port is reachable
+    from the management network. Exit 0 when every host answered (whatever their state), 1 when a host
+    or its Docker engine could not be reached, a table failed --verify, or a host's sockets could not be read.
     """
     from ..launch.lifecycle import cluster_status
     dep = load_deployment(inventory, recipe, tuple(sets))
@@ -59,6 +64,9 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify):
     if verify:
         doc["tables_verified"] = _verify_tables(dep)
         bad_tables = any(not r.get("up_to_date") for rows in doc["tables_verified"].values() for r in rows.values())
+    if exposure:
+        from ..launch.exposure import collect
+        doc["exposure"] = collect(dep)
     doc = mask_data(doc)     # the table too: container errors and table reasons are hosts' text
     if as_json:
         emit_json(doc)
@@ -75,7 +83,27 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify):
             for stage, r in rows.items():
                 mark = "[green]verified[/green]" if r.get("up_to_date") else "[red]NOT current[/red]"
                 out.print(f"{host} {stage}: {mark}: {escape(str(r.get('reason')))}")
-    sys.exit(0 if all(r.get("reachable") for r in doc["hosts"]) and not bad_tables else 1)
+        if exposure:
+            out.print(_exposure_table(doc["exposure"]))
+    unread = any("error" in v for v in doc.get("exposure", {}).values())
+    sys.exit(0 if all(r.get("reachable") for r in doc["hosts"]) and not bad_tables and not unread else 1)
+
+
+def _exposure_table(found: dict[str, dict[str, Any]]) -> Table:
+    t = Table(title="listening sockets of the deployment's containers (ss on each host)", title_justify="left")
+    for col in ("host", "proto", "address:port", "process", "reachable from", "concern"):
+        t.add_column(col)
+    for host, v in found.items():
+        if "error" in v:
+            t.add_row(host, "", "", "", f"[red]not read[/red]: {escape(v['error'])}", "")
+            continue
+        if not v["sockets"]:
+            t.add_row(host, "", "", "", "no listening socket" if v["containers"] else "no running container", "")
+        for x in v["sockets"]:
+            addr = f"[{x['address']}]" if ":" in x["address"] else x["address"]
+            t.add_row(host, x["proto"], f"{addr}:{x['port']}", f"{escape(x['process'])} ({x['pid']})",
+                      escape(x["reachable_from"]), f"[yellow]{escape(x['concern'])}[/yellow]" if x["concern"] else "")
+    return t
 
 
 def _print_failure(out: Console, f: dict[str, Any] | None, api_healthy: bool) -> None:

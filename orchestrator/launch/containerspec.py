@@ -34,12 +34,12 @@ MASTER = "\x00master-addr\x00"          # stands for the head's address while re
 # contradict those fields, so it is an error that names the field to change instead.
 RESERVED = {
     "vllm": {"served-model-name": "engine.served_name", "port": "engine.port (or api_port)",
-             "host": "(always 0.0.0.0)", "tensor-parallel-size": "parallelism.tensor_parallel",
+             "host": "all.vars.api_listen", "tensor-parallel-size": "parallelism.tensor_parallel",
              "nnodes": "parallelism.nodes", "node-rank": "the inventory's ranks",
              "master-addr": "the head's fabric address", "master-port": "engine.master_port",
              "headless": "(ranks > 0)", "api-key": "the inventory's api_key_file or api_key_env (never argv)"},
     "sglang": {"served-model-name": "engine.served_name", "port": "engine.port (or api_port)",
-               "host": "(always 0.0.0.0)", "tp-size": "parallelism.tensor_parallel",
+               "host": "all.vars.api_listen", "tp-size": "parallelism.tensor_parallel",
                "model-path": "model / engine.model", "ple-offload-backend": "ple.placement",
                "ple-offload-dir": "ple.placement and the host's nvme_dir",
                "api-key": "the inventory's api_key_file or api_key_env (never argv)",
@@ -165,6 +165,15 @@ def ple_env(ple: PleSpec | None) -> dict[str, str]:
     return env
 
 
+def api_host(dep: Deployment, host: Host) -> str:
+    """--host: the API's address on the head (dep.api_listen). A headless vLLM rank serves no API
+    (vllm/entrypoints/cli/serve.py run_headless); its --host is its own management address, or
+    every interface when the inventory asks for that."""
+    if host.name == dep.cluster.head:
+        return dep.api_listen
+    return "0.0.0.0" if dep.api_listens_everywhere else host.address
+
+
 def engine_argv(dep: Deployment, host: Host, master_addr: str) -> tuple[str, ...]:
     return _engine_argv(dep, host, master_addr)[0]
 
@@ -175,6 +184,7 @@ def _engine_argv(dep: Deployment, host: Host, master_addr: str) -> tuple[tuple[s
     ple = r.ple
     ctx = {
         "model": e.model or model_path(dep, host), "served_name": e.served_name, "port": dep.api_port,
+        "api_host": api_host(dep, host),
         "tp": r.parallelism.tensor_parallel, "nnodes": r.parallelism.nodes, "rank": host.rank,
         "master_addr": MASTER, "master_port": e.master_port, "args": _check_args(dep),
         "ple_backend": {"nvme": "file", "pinned": "pinned"}.get(ple.placement) if ple else None,

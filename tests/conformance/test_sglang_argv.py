@@ -56,7 +56,7 @@ def test_parsed_values_follow_the_recipe(sglang_results, recipe, host):
     r, p = dep.recipe, res["parsed"]
     assert p["model_path"] == ARGVS[(recipe, host)][ARGVS[(recipe, host)].index("--model-path") + 1]
     assert p["tp_size"] == r.parallelism.tensor_parallel
-    assert p["port"] == dep.api_port and p["host"] == "0.0.0.0"
+    assert p["port"] == dep.api_port and p["host"] == dep.api_listen == dep.cluster.head_host.address
     assert p["served_model_name"] == r.engine.served_name
     assert p["api_key"] is None, "deployctl renders no --api-key"
     assert p["speculative_algorithm"] == r.engine.args.get("speculative-algorithm")

@@ -100,7 +100,10 @@ def test_recipe_arguments_reach_the_engine(vllm_results, recipe, host):
     assert parsed["node_rank"] == h.rank
     assert parsed["headless"] is (h.rank > 0)
     assert parsed["master_port"] == r.engine.master_port
-    assert parsed["port"] == dep.api_port and parsed["host"] == "0.0.0.0"
+    # the API on the head's management address only, not every interface (#37); a headless rank
+    # serves none and gets its own
+    assert parsed["port"] == dep.api_port and parsed["host"] == (dep.api_listen if h.rank == 0 else h.address)
+    assert parsed["host"] not in ("0.0.0.0", "::")
     assert parsed["served_model_name"] == [r.engine.served_name]
 
 

@@ -1,0 +1,141 @@
+"""What a deployment listens on, read from each host itself (`deployctl status --exposure`).
+
+Per host: every TCP and UDP socket that a process of the deployment's containers holds open for
+listening, with its address, port and process, and who can reach it given the address it is bound
+to. Read with the host's own tools, nothing installed:
+- `ss -H -l -n -p -t -u` (iproute2): the listening sockets and the processes holding them (the
+  engine containers run with --network host, so their sockets are the host's);
+- `docker top <container> -eo pid`: the host PIDs of each container's processes;
+- `ip -j addr show`: which interface holds which address.
+deployctl installs no firewall rules, so who can reach a socket follows from its address alone: a
+wildcard address (0.0.0.0, ::, *) is reachable over every network the host is on, the management
+network included. vLLM's own security guide says the inter-node ports (torch.distributed's
+TCPStore, gloo/NCCL) are unauthenticated; an internal port reachable from the management network
+is flagged.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..deployment import Deployment
+from ..executors.shells import HostShell, Shells
+from ..outcomes import parallel
+from .containers import list_containers
+
+SS_ARGV = ("ss", "-H", "-l", "-n", "-p", "-t", "-u")
+ADDR_ARGV = ("ip", "-j", "addr", "show")
+TIMEOUT_S = 30.0
+WILDCARDS = frozenset({"0.0.0.0", "::", "*"})
+_USER = re.compile(r'\("((?:[^"\\]|\\.)*)",pid=(\d+),fd=\d+\)')
+
+
+@dataclass(frozen=True)
+class Socket:
+    proto: str          # tcp | udp
+    address: str        # as bound: 0.0.0.0, ::, *, or one address
+    port: int
+    process: str        # the process name ss shows
+    pid: int
+    container: str = ""  # short id of the deployment's container holding it
+    scope: str = ""      # every interface | loopback | management | fabric | interface <name>
+    reachable_from: str = ""
+    concern: str = ""    # why this one is exposed beyond where it belongs ("" = fine)
+
+
+def parse_ss(text: str) -> list[Socket]:
+    """`ss -H -l -n -p -t -u` lines -> one Socket per (socket, process) pair."""
+    out = []
+    for line in text.splitlines():
+        f = line.split(None, 6)
+        if len(f) < 6 or f[0] not in ("tcp", "udp"):
+            continue
+        host, _, port = f[4].rpartition(":")
+        host = host.split("%")[0].strip("[]")       # 127.0.0.53%lo:53, [::]:8000
+        if not port.isdigit():
+            continue
+        for name, pid in _USER.findall(f[6] if len(f) > 6 else ""):
+            out.append(Socket(f[0], host, int(port), name, int(pid)))
+    return out
+
+
+def parse_addresses(text: str) -> dict[str, str]:
+    """`ip -j addr show` -> {address: interface}."""
+    try:
+        links = json.loads(text or "[]")
+    except ValueError:
+        return {}
+    return {a["local"]: link.get("ifname", "?") for link in links if isinstance(link, dict)
+            for a in link.get("addr_info") or () if isinstance(a, dict) and a.get("local")}
+
+
+def parse_top(text: str) -> set[int]:
+    """`docker top <id> -eo pid` -> the PIDs (the first line is the header)."""
+    return {int(x) for x in text.split()[1:] if x.isdigit()}
+
+
+def classify(s: Socket, host, addresses: dict[str, str], api_port: int) -> Socket:
+    """Scope, who can reach it, and a concern when an internal port is reachable beyond the fabric."""
+    mgmt, fabric_addr, fabric_iface = host.address, host.fabric_address, host.fabric_iface
+    nets = [f"{a} ({i}{', management' if a == mgmt else ''}"
+            f"{', fabric' if a == fabric_addr or (fabric_iface and i == fabric_iface) else ''})"
+            for a, i in sorted(addresses.items()) if not _loopback(a) and ":" not in a]
+    iface = addresses.get(s.address, "")
+    if s.address in WILDCARDS:
+        scope, reach = "every interface", "every network of this host: " + (", ".join(nets) or "?")
+    elif _loopback(s.address):
+        scope, reach = "loopback", "this host only"
+    elif s.address == mgmt:
+        scope, reach = "management", f"the management network ({mgmt})"
+    elif s.address == fabric_addr or (fabric_iface and iface == fabric_iface):
+        scope, reach = "fabric", f"the fabric ({s.address} on {iface or fabric_iface})"
+    else:
+        scope, reach = f"interface {iface or '?'}", f"the network of {s.address} ({iface or 'unknown interface'})"
+    concern = ""
+    if s.port != api_port and scope in ("every interface", "management"):
+        concern = ("an internal port reachable from the management network (unauthenticated inter-node "
+                   "traffic: bind it to the fabric or firewall it)")
+    return Socket(**{**asdict(s), "scope": scope, "reachable_from": reach, "concern": concern})
+
+
+def _loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def read_host(dep: Deployment, sh: HostShell) -> dict[str, Any]:
+    """One host's listening sockets of the deployment's containers, classified."""
+    cs = [c for c in list_containers(sh, dep.name, timeout=TIMEOUT_S) if c.running]
+    pids: dict[int, str] = {}
+    for c in cs:
+        r = sh.run(sh.docker("top", c.id, "-eo", "pid"), timeout=TIMEOUT_S)
+        if r.rc != 0:
+            raise RuntimeError(f"docker top {c.short_id} failed (exit {r.rc}): {r.stderr.strip()[-300:]}")
+        pids.update({p: c.short_id for p in parse_top(r.stdout)})
+    ss = sh.run(list(SS_ARGV), timeout=TIMEOUT_S)
+    if ss.rc != 0:
+        raise RuntimeError(f"{' '.join(SS_ARGV)} failed (exit {ss.rc}): {ss.stderr.strip()[-300:]}")
+    addrs = parse_addresses(sh.run(list(ADDR_ARGV), timeout=TIMEOUT_S).stdout)
+    api_port = dep.api_port if sh.host.name == dep.cluster.head else -1
+    seen, out = set(), []
+    for s in parse_ss(ss.stdout):
+        key = (s.proto, s.address, s.port)
+        if s.pid not in pids or key in seen:
+            continue
+        seen.add(key)
+        out.append(classify(Socket(**{**asdict(s), "container": pids[s.pid]}), sh.host, addrs, api_port))
+    out.sort(key=lambda s: (s.proto, s.port, s.address))
+    return {"containers": [c.short_id for c in cs], "sockets": [asdict(s) for s in out]}
+
+
+def collect(dep: Deployment) -> dict[str, dict[str, Any]]:
+    """{host: {"containers": [...], "sockets": [...]} or {"error": ...}} for every host, in parallel."""
+    with Shells(dep.cluster) as shells:
+        res = parallel([h.name for h in dep.cluster.hosts], lambda n: read_host(dep, shells[n]))
+    return {n: ({"error": f"{type(v).__name__}: {v}"} if isinstance(v, BaseException) else v)
+            for n, v in res.items()}
