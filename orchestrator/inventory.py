@@ -49,6 +49,10 @@ CLUSTER_KEYS = {
     "api_port": "API port on the head",
     "api_listen": "the address the API listens on (default: the head's management address, ansible_host); "
                   "0.0.0.0 or :: listens on every interface, the fabric included (said in the plan)",
+    "api_allow": "the sources (addresses or networks) the API admits; default: whoever reaches api_listen. "
+                 "Enforced by the deployment's firewall chain on the head: list the controller too",
+    "firewall": "rules (default): the deployment's own iptables chain confines the ports the engine cannot "
+                "bind to the fabric (vLLM's rendezvous store) to the deployment's fabric addresses; none: no rule",
     "known_hosts_file": "known_hosts file for SSH host key checks",
     "host_key_checking": "check SSH host keys (default true; false is an explicit opt-out)",
     "recipe_overrides": "mapping of recipe key.path: value applied before --set",
@@ -127,6 +131,8 @@ class Cluster:
     hf_token_file: str | None = None     # a Hub token (orchestrator/modelfetch/access.py); else $HF_TOKEN
     fabric_topology: str = "switch"      # switch | direct | mesh (orchestrator/fabric/topology.py)
     api_listen: str | None = None        # None: the head's management address (docs/exposure.md)
+    api_allow: tuple[str, ...] | None = None   # None: no API rule; else the admitted sources
+    firewall: str = "rules"              # rules | none (orchestrator/launch/firewall.py)
 
     @property
     def head_host(self) -> Host:
@@ -245,6 +251,21 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     if api_listen is not None and not _listen_address(api_listen):
         raise err(f"expected an IP address on the head (or 0.0.0.0 / :: for every interface) or its host "
                   f"name, got {api_listen!r}", "all.vars.api_listen")
+    api_allow = cvars.get("api_allow")
+    if api_allow is not None:
+        if not isinstance(api_allow, list) or not api_allow:
+            raise err(f"expected a list of addresses or networks (10.0.0.5, 10.0.0.0/24), got {api_allow!r}",
+                      "all.vars.api_allow")
+        for i, src in enumerate(api_allow):
+            try:
+                ipaddress.ip_network(str(src), strict=False)
+            except ValueError:
+                raise err(f"expected an address or a network such as 10.0.0.0/24, got {src!r}",
+                          f"all.vars.api_allow[{i}]") from None
+        api_allow = tuple(str(ipaddress.ip_network(str(x), strict=False)) for x in api_allow)
+    firewall = cvars.get("firewall", "rules")
+    if firewall not in ("rules", "none"):
+        raise err(f"expected rules or none, got {firewall!r}", "all.vars.firewall")
     hkc = cvars.get("host_key_checking", True)
     if not isinstance(hkc, bool):
         raise err(f"expected true or false, got {hkc!r}", "all.vars.host_key_checking")
@@ -291,6 +312,8 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         hf_token_file=token_file,
         fabric_topology=topology,
         api_listen=api_listen,
+        api_allow=api_allow,
+        firewall=firewall,
     )
 
 

@@ -107,3 +107,109 @@ def test_the_api_listens_on_the_heads_management_address_unless_the_inventory_wi
 
     p, _ = _plan(tmp_path, "    api_listen: '1.2.3.4; rm -rf /'\n")
     assert p.returncode == 2 and "all.vars.api_listen" in p.stderr and "inv.yml" in p.stderr, p.stderr
+
+
+# ------------------------------------------------------------------------ the firewall chain (#37)
+
+def _dep(tmp_path, extra: str = ""):
+    from orchestrator.deployment import load_deployment
+    inv = tmp_path / "fw.yml"
+    inv.write_text(INV.format(extra=extra).replace("192.0.2.1, rank: 0", "192.0.2.1, fabric_address: 198.18.0.1/24, rank: 0")
+                   .replace("192.0.2.2, rank: 1", "192.0.2.2, fabric_address: 198.18.0.2/24, rank: 1"))
+    return load_deployment(inv)
+
+
+def test_the_rendezvous_store_is_confined_to_the_fabric_and_the_api_to_api_allow(tmp_path):
+    from orchestrator.launch import firewall as F
+    dep = _dep(tmp_path)
+    head, worker = dep.cluster.hosts[0], dep.cluster.hosts[1]
+    detected = {"s1": ("198.18.0.1", "198.18.0.0/24"), "s3": ("198.18.0.3", "198.18.0.0/24"),
+                "s4": ("198.18.1.4", "")}
+    rs = F.ruleset(dep, head, detected)
+    port, ch = dep.recipe.engine.master_port, F.chain_name(dep.name)
+    assert rs.chain == ch and len(ch) <= 28
+    v4 = rs.v4.splitlines()
+    assert v4[:5] == ["*filter", f":{ch} - [0:0]", f"-A {ch} -i lo -j RETURN",
+                      f"-A {ch} -m conntrack --ctstate ESTABLISHED,RELATED -j RETURN",
+                      f"-A {ch} -p tcp --dport {dep.api_port} -j RETURN"], "the API untouched without api_allow"
+    assert v4[-1] == "COMMIT"
+    store = [ln for ln in v4 if f"--dport {port} " in ln]
+    assert [ln.split(" -s ")[1].split()[0] for ln in store[:-1]] == [
+        "198.18.0.1", "198.18.0.2", "198.18.0.3", "198.18.1.4"], "the fabric addresses, inventory and detected"
+    assert store[-1] == f"-A {ch} -p tcp --dport {port} -j REJECT --reject-with tcp-reset"
+    eph = [ln for ln in v4 if "EPHEMERAL" in ln]
+    assert eph == [f"-A {ch} -d 198.18.0.1 -p tcp --dport EPHEMERAL -s 198.18.0.0/24 -j RETURN",
+                   f"-A {ch} -d 198.18.0.1 -p tcp --dport EPHEMERAL -s 198.18.1.4/32 -j RETURN",
+                   f"-A {ch} -d 198.18.0.1 -p tcp --dport EPHEMERAL -j REJECT --reject-with tcp-reset"], \
+        "the fabric listeners: the fabric's subnets (an address where the subnet is unknown)"
+    assert "192.0.2." not in rs.v4, "no management address is admitted"
+    assert " -s " not in rs.v6 and f"--dport {port} -j REJECT" in rs.v6, "IPv6: only loopback"
+    w = F.ruleset(dep, worker, detected)
+    assert f"--dport {port}" not in w.v4 and "-d 198.18.0.2 -p tcp --dport EPHEMERAL" in w.v4, \
+        "a worker: no store, its own fabric listeners"
+
+    dep = _dep(tmp_path, "    api_allow: [192.0.2.200, 203.0.113.0/24]\n")
+    rs = F.ruleset(dep, dep.cluster.hosts[0])
+    assert f"--dport {dep.api_port} -s 192.0.2.200/32 -j RETURN" in rs.v4
+    assert f"--dport {dep.api_port} -s 203.0.113.0/24 -j RETURN" in rs.v4
+    assert f"--dport {dep.api_port} -j REJECT" in rs.v4 and f"--dport {dep.api_port} -j RETURN" not in rs.v4
+    assert F.ruleset(_dep(tmp_path, "    firewall: none\n"), head).empty
+
+    p, doc = _plan(tmp_path)
+    head_act = next(a for s in doc["stages"] if s["name"] == "launch" for a in s["actions"] if a["host"] == "s1")
+    assert head_act["details"]["firewall"]["chain"].startswith("DCTL-") and "firewall: tcp" in head_act["summary"]
+    for extra, key in (("    api_allow: [not-an-address]\n", "all.vars.api_allow[0]"),
+                       ("    api_allow: 10.0.0.1\n", "all.vars.api_allow"),
+                       ("    firewall: off\n", "all.vars.firewall")):
+        p, _ = _plan(tmp_path, extra)
+        assert p.returncode == 2 and key in p.stderr, (extra, p.stderr)
+
+
+class _NetnsShell:
+    """HostShell's run() in a scratch network namespace of this machine: the real iptables."""
+    def __init__(self, ns):
+        self.ns = ns
+
+    def run(self, argv, timeout=60.0, stdin=None):
+        import subprocess
+        from orchestrator.executors.ssh import Result
+        p = subprocess.run(["ip", "netns", "exec", self.ns, *argv], capture_output=True, text=True, timeout=timeout)
+        return Result(p.returncode, p.stdout, p.stderr)
+
+
+def test_rules_apply_idempotently_are_read_back_and_removed_with_the_real_iptables(tmp_path):
+    import subprocess
+    from orchestrator.launch import firewall as F
+    dep = _dep(tmp_path, "    api_allow: [192.0.2.200]\n")
+    rs = F.ruleset(dep, dep.cluster.hosts[0])
+    ns = f"dctl-fwunit-{tmp_path.name[-8:]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, timeout=30)
+    try:
+        sh = _NetnsShell(ns)
+        for _ in range(2):                       # a re-run: one jump, the same rules
+            assert "firewall chain DCTL-" in F.apply_host(sh, rs)
+        for tool in ("iptables", "ip6tables"):
+            s = sh.run([tool, "-S"]).stdout
+            assert s.count(f"-j {rs.chain}") == 1 and f'--comment "deployctl {dep.name}"' in s, s
+        sh.run(["sh", "-c", "echo 40000 50000 > /proc/sys/net/ipv4/ip_local_port_range"])
+        F.apply_host(sh, rs)                     # the host's own ephemeral range, read there
+        got = E.parse_chain(sh.run(["iptables", "-S", rs.chain]).stdout)
+        mp = dep.recipe.engine.master_port
+        assert got == [E.Guard("", mp, mp, ("198.18.0.1", "198.18.0.2")),
+                       E.Guard("198.18.0.1", 40000, 50000, ("198.18.0.0/24",)),
+                       E.Guard("", dep.api_port, dep.api_port, ("192.0.2.200",))], got
+        c = E.classify(E.Socket("tcp", "*", mp, "VLLM::Worker_TP", 1), dep.cluster.hosts[0], {}, dep.api_port,
+                       got, rs.chain)
+        assert not c.concern and c.reachable_from.startswith("only 198.18.0.1, 198.18.0.2 and loopback")
+        gloo = E.classify(E.Socket("tcp", "198.18.0.1", 41234, "pt_main_thread", 1), dep.cluster.hosts[0],
+                          {"198.18.0.1": "fab0"}, dep.api_port, got, rs.chain)
+        assert gloo.reachable_from.startswith("only 198.18.0.0/24 and loopback"), gloo
+        # a narrower ruleset replaces the chain's rules in one commit
+        F.apply_host(sh, F.ruleset(_dep(tmp_path), dep.cluster.hosts[0]))
+        assert all(g.low != dep.api_port for g in E.parse_chain(sh.run(["iptables", "-S", rs.chain]).stdout))
+        assert "removed iptables chain" in F.remove_host(sh, rs.chain, f"deployctl {dep.name}")
+        assert F.remove_host(sh, rs.chain, f"deployctl {dep.name}") == f"no firewall chain {rs.chain}"
+        for tool in ("iptables", "ip6tables"):
+            assert "DCTL-" not in sh.run([tool, "-S"]).stdout
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], timeout=30)

@@ -266,9 +266,13 @@ def test_workers_start_first_in_descending_rank_then_the_head(tmp_path, monkeypa
     assert all(r.status == "ok" for r in out), [r.message for r in out]
     assert [n for n, _ in started] == ["spark4", "spark3", "spark2", "spark1"]
     assert started[3][1] - started[2][1] >= 0.2, "engine.start_wait_s before the head"
-    # every host: page cache dropped and the cache folder created, before any start
-    for sh in shells.values():
-        (argv,) = sh.calls
+    # every host: the deployment's firewall chain (the head's store and every host's fabric
+    # listeners: only the fabric), then page cache dropped and the cache folder created, before any start
+    from orchestrator.launch import firewall
+    for name, sh in shells.items():
+        fw, (argv,) = sh.calls[0], sh.calls[1:]
+        assert fw[:3] == ["sh", "-c", firewall.APPLY_SH], fw
+        assert ("--dport 29501 -s 10.0.0.1 -j RETURN" in fw[4]) is (name == "spark1"), "the detected address admitted"
         assert argv[-2:] == ["1", "/var/tmp/dsv41-vllm-cache"] and "drop_caches" in argv[2]
 
 

@@ -156,6 +156,7 @@ def test_tp2_up_status_logs_noop_relaunch_rollback_down(cluster, vllm_image, hub
     s = json.loads(st.stdout)
     assert s["api"]["healthy"] and [c["status"] for h in s["hosts"] for c in h["containers"]] == ["running"] * 2
     FOUND["exposure_tp2"] = exposure_is_what_ss_says(cluster, inv, "rv2", hosts, 18110, 29611)
+    outsider_is_kept_out(cluster, hub, tmp_path, inv, hosts, FOUND["exposure_tp2"])
     lg = dctl("logs", "-i", str(inv), "--json", "--tail", "400")
     assert lg.returncode == 0, out(lg)
     logs = json.loads(lg.stdout)["logs"]
@@ -192,14 +193,60 @@ def test_tp2_up_status_logs_noop_relaunch_rollback_down(cluster, vllm_image, hub
     p = dctl("down", "-i", str(inv), timeout=300)
     assert p.returncode == 0, out(p)
     assert not any(containers(cluster, h.name, "rv2") for h in hosts)
+    for h in hosts:
+        for tool in ("iptables", "ip6tables"):
+            rules = subprocess.run(["ip", "netns", "exec", h.netns, tool, "-S"], capture_output=True, text=True,
+                                   timeout=30).stdout
+            assert "DCTL-" not in rules and "deployctl" not in rules, (h.name, tool, rules)
     _forget_releases(cluster, inv)
+
+
+def reach(netns: str, addr: str, port: int) -> str:
+    """A TCP connect from NETNS: open, refused (a reset) or timeout (3 s)."""
+    code = ("import socket, sys\n"
+            "try:\n    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close(); print('open')\n"
+            "except ConnectionRefusedError:\n    print('refused')\n"
+            "except OSError as e:\n    print('timeout' if isinstance(e, TimeoutError) else f'error {e}')\n")
+    return subprocess.run(["ip", "netns", "exec", netns, "python3", "-c", code, addr, str(port)],
+                          capture_output=True, text=True, timeout=30).stdout.strip()
+
+
+def outsider_is_kept_out(cluster, hub, tmp_path: Path, inv: Path, hosts, exposure: dict) -> None:
+    """#37: from a namespace on the management bridge that the inventory does not name, the head's
+    rendezvous store (listening on every interface) is refused on its management and its fabric
+    address, and so is every engine listener on each node's fabric address, while the peers reach
+    them over the fabric and the deployment serves; the API answers the outsider until the
+    inventory's api_allow leaves it out (a no-op up re-applies the rules)."""
+    head, worker = hosts
+    with cluster.outsider() as (ns, _addr):
+        assert reach(ns, head.address, 18110) == "open", "the API is meant for the management network"
+        assert reach(ns, head.address, 29611) == "refused"
+        assert reach(ns, head.fabric_address, 29611) == "refused"
+        assert reach(worker.netns, head.fabric_address, 29611) == "open", "a peer over the fabric"
+        for h in hosts:      # gloo's and the message queues' listeners (not touched from a peer: a stray
+            fabric_ports = [port for _proto, addr, port, _p in exposure[h.name] if addr == h.fabric_address]
+            assert fabric_ports, (h.name, exposure[h.name])        # connection would break their pairing)
+            for port in fabric_ports:
+                assert reach(ns, h.fabric_address, port) == "refused", (h.name, port)
+        code, chat = api(cluster, 18110, "/v1/completions", {"model": SERVED, "prompt": "one two", "max_tokens": 4})
+        assert code == 200, ("the peers still talk over the fabric", chat)
+        allow = inventory(cluster, hub, tmp_path / "allow", "rv2", hosts, 18110, 29611,
+                          api_allow=[cluster.bridge_address])          # this controller only
+        p = up(allow)
+        assert p.returncode == 0 and "release 1 still runs" in unwrap(out(p)), out(p)
+        assert reach(ns, head.address, 18110) == "refused"
+        assert api(cluster, 18110, "/v1/models")[0] == 200, "the controller is on the list"
+        p = up(inv)                                                    # back to no API rule
+        assert p.returncode == 0, out(p)
+        assert reach(ns, head.address, 18110) == "open"
 
 
 def exposure_is_what_ss_says(cluster, inv: Path, deployment: str, hosts, api_port: int, master_port: int) -> dict:
     """`deployctl status --exposure` against `ss` run here in each host's network namespace for the
     PIDs `docker top` gives (read without deployctl): the same sockets. The real vLLM's API and its
-    TCPStore (the master port) listens on every interface and is flagged (#37); the API listens on the
-    head's management address only (all.vars.api_listen unset)."""
+    TCPStore (the master port) listens on every interface, confined by the deployment's firewall
+    chain to the fabric addresses (#37); the API listens on the head's management address only
+    (all.vars.api_listen unset)."""
     p = dctl("status", "-i", str(inv), "--exposure", "--json")
     assert p.returncode == 0, out(p)
     found = json.loads(p.stdout)["exposure"]
@@ -218,7 +265,9 @@ def exposure_is_what_ss_says(cluster, inv: Path, deployment: str, hosts, api_por
     head = {x["port"]: x for x in found[hosts[0].name]["sockets"]}
     assert (head[api_port]["scope"], head[api_port]["address"]) == ("management", hosts[0].address), head[api_port]
     assert not head[api_port]["concern"], head[api_port]
-    assert head[master_port]["scope"] == "every interface" and head[master_port]["concern"], head[master_port]
+    store = head[master_port]
+    assert store["scope"] == "every interface" and not store["concern"], store
+    assert "firewall chain DCTL-" in store["reachable_from"] and hosts[1].fabric_address in store["reachable_from"], store
     return {n: [(x["proto"], x["address"], x["port"], x["process"]) for x in v["sockets"]] for n, v in found.items()}
 
 

@@ -73,12 +73,14 @@ def health_command(inventory, recipe, sets, as_json, verbose, quiet):
 @dry_run_option
 @handle_errors
 def down_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run):
-    """Stop and remove this deployment's containers on every host, and verify they are gone.
+    """Stop and remove this deployment's containers on every host, and verify they are gone; then
+    remove the deployment's firewall chain (orchestrator/launch/firewall.py) there.
 
     A host is reported clear only after listing it again shows no container of the deployment;
     a host where one remains, or that cannot be reached, fails (exit 1) by name. Holds the
     deployment's lock on the head.
     """
+    from ..launch.firewall import chain_name
     from ..launch.lifecycle import down_host, down_preview
     dep = load_deployment(inventory, recipe, tuple(sets))
     if dry_run:
@@ -88,6 +90,8 @@ def down_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run):
             out.print(f"  [cyan]{host}[/cyan]: stop (docker stop -t 10) and remove (docker rm -f) every "
                       f"container listed by, then list again:")
             out.print(f"      $ {escape(shlex.join(mask_argv(argv)))}")
+            out.print(f"    then remove the firewall chain {chain_name(dep.name)} and its INPUT jump "
+                      f"(iptables, ip6tables), if there")
         return
     run_host_command(command="down", dep=dep, fn=lambda action, log: down_host(dep, action.host, log),
                      summary=f"stop and remove the containers of {dep.name}",

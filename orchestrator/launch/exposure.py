@@ -7,11 +7,12 @@ to. Read with the host's own tools, nothing installed:
   engine containers run with --network host, so their sockets are the host's);
 - `docker top <container> -eo pid`: the host PIDs of each container's processes;
 - `ip -j addr show`: which interface holds which address.
-deployctl installs no firewall rules, so who can reach a socket follows from its address alone: a
-wildcard address (0.0.0.0, ::, *) is reachable over every network the host is on, the management
-network included. vLLM's own security guide says the inter-node ports (torch.distributed's
-TCPStore, gloo/NCCL) are unauthenticated; an internal port reachable from the management network
-is flagged.
+- `iptables -S <the deployment's chain>` (firewall.py): the ports it confines and to whom.
+Who can reach a socket follows from its address, and for a port the deployment's chain guards, from
+the sources the chain admits: a wildcard address (0.0.0.0, ::, *) is reachable over every network
+the host is on, the management network included. vLLM's own security guide says the inter-node
+ports (torch.distributed's TCPStore, gloo/NCCL) are unauthenticated; an internal port reachable from
+the management network, unguarded, is flagged.
 """
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ from ..deployment import Deployment
 from ..executors.shells import HostShell, Shells
 from ..outcomes import parallel
 from .containers import list_containers
+from .firewall import chain_name
 
 SS_ARGV = ("ss", "-H", "-l", "-n", "-p", "-t", "-u")
 ADDR_ARGV = ("ip", "-j", "addr", "show")
 TIMEOUT_S = 30.0
 WILDCARDS = frozenset({"0.0.0.0", "::", "*"})
+_RULE = re.compile(r"^-A \S+ (?=.*--dport (\d+(?::\d+)?))(?=.*-j (RETURN|REJECT|DROP))")
 _USER = re.compile(r'\("((?:[^"\\]|\\.)*)",pid=(\d+),fd=\d+\)')
 
 
@@ -77,8 +80,43 @@ def parse_top(text: str) -> set[int]:
     return {int(x) for x in text.split()[1:] if x.isdigit()}
 
 
-def classify(s: Socket, host, addresses: dict[str, str], api_port: int) -> Socket:
-    """Scope, who can reach it, and a concern when an internal port is reachable beyond the fabric."""
+@dataclass(frozen=True)
+class Guard:
+    """A port range the deployment's chain refuses new connections on, except from SOURCES."""
+    dest: str           # "" = every address of the host
+    low: int
+    high: int
+    sources: tuple[str, ...]
+
+    def covers(self, address: str, port: int) -> bool:
+        return self.low <= port <= self.high and (not self.dest or self.dest == address)
+
+
+def parse_chain(text: str) -> list[Guard]:
+    """`iptables -S <chain>` -> the guards: each (destination, port range) with a REJECT or DROP for
+    every other source, and the sources RETURNed before it."""
+    admitted: dict[tuple[str, str], list[str]] = {}
+    out = []
+    for line in text.splitlines():
+        m = _RULE.match(line.strip())
+        if not m:
+            continue
+        ports, verdict = m.group(1), m.group(2)
+        d, src = re.search(r" -d (\S+)", line), re.search(r" -s (\S+)", line)
+        src = src.group(1) if src else None
+        key = ((d.group(1) if d else "").removesuffix("/32"), ports)
+        if verdict == "RETURN" and src:
+            admitted.setdefault(key, []).append(src.removesuffix("/32").removesuffix("/128"))
+        elif verdict in ("REJECT", "DROP") and not src:
+            low, _, high = ports.partition(":")
+            out.append(Guard(key[0], int(low), int(high or low), tuple(admitted.get(key, ()))))
+    return out
+
+
+def classify(s: Socket, host, addresses: dict[str, str], api_port: int,
+             guards: list[Guard] | None = None, chain: str = "") -> Socket:
+    """Scope, who can reach it, and a concern when an internal port is reachable beyond the fabric
+    (GUARDED: the ports the deployment's firewall chain confines, and to whom)."""
     mgmt, fabric_addr, fabric_iface = host.address, host.fabric_address, host.fabric_iface
     nets = [f"{a} ({i}{', management' if a == mgmt else ''}"
             f"{', fabric' if a == fabric_addr or (fabric_iface and i == fabric_iface) else ''})"
@@ -95,7 +133,11 @@ def classify(s: Socket, host, addresses: dict[str, str], api_port: int) -> Socke
     else:
         scope, reach = f"interface {iface or '?'}", f"the network of {s.address} ({iface or 'unknown interface'})"
     concern = ""
-    if s.port != api_port and scope in ("every interface", "management"):
+    guard = next((g for g in guards or () if g.covers(s.address, s.port)), None)
+    if guard and scope != "loopback" and (s.address not in WILDCARDS or not guard.dest):
+        reach = (f"only {', '.join(guard.sources) or 'this host'} and loopback (firewall chain {chain}; "
+                 f"bound to {reach})")
+    elif s.port != api_port and scope in ("every interface", "management"):
         concern = ("an internal port reachable from the management network (unauthenticated inter-node "
                    "traffic: bind it to the fabric or firewall it)")
     return Socket(**{**asdict(s), "scope": scope, "reachable_from": reach, "concern": concern})
@@ -121,6 +163,10 @@ def read_host(dep: Deployment, sh: HostShell) -> dict[str, Any]:
     if ss.rc != 0:
         raise RuntimeError(f"{' '.join(SS_ARGV)} failed (exit {ss.rc}): {ss.stderr.strip()[-300:]}")
     addrs = parse_addresses(sh.run(list(ADDR_ARGV), timeout=TIMEOUT_S).stdout)
+    chain = chain_name(dep.name)
+    rules = sh.run(["sh", "-c", 'iptables -S "$1" 2>/dev/null || sudo -n iptables -S "$1" 2>/dev/null; true',
+                    "sh", chain], timeout=TIMEOUT_S)
+    guards = parse_chain(rules.stdout)
     api_port = dep.api_port if sh.host.name == dep.cluster.head else -1
     seen, out = set(), []
     for s in parse_ss(ss.stdout):
@@ -128,9 +174,11 @@ def read_host(dep: Deployment, sh: HostShell) -> dict[str, Any]:
         if s.pid not in pids or key in seen:
             continue
         seen.add(key)
-        out.append(classify(Socket(**{**asdict(s), "container": pids[s.pid]}), sh.host, addrs, api_port))
+        out.append(classify(Socket(**{**asdict(s), "container": pids[s.pid]}), sh.host, addrs, api_port,
+                            guards, chain))
     out.sort(key=lambda s: (s.proto, s.port, s.address))
-    return {"containers": [c.short_id for c in cs], "sockets": [asdict(s) for s in out]}
+    return {"containers": [c.short_id for c in cs], "sockets": [asdict(s) for s in out],
+            "firewall": {"chain": chain, "guards": [asdict(g) for g in guards]}}
 
 
 def collect(dep: Deployment) -> dict[str, dict[str, Any]]:

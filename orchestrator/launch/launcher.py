@@ -5,7 +5,8 @@ start the head and the workers.
    deployment's containers. A host that cannot be reached, lacks the image, or holds Engram rows
    of another rank fails here, and nothing is touched anywhere;
 2. choose each host's own fabric and render each host's ContainerSpec (the head's fabric address
-   is the master address);
+   is the master address); install the deployment's firewall chain (firewall.py: the rendezvous
+   store and the fabric listeners only from the deployment's fabric addresses), idempotently;
 3. every host already runs this spec on this image and the API answers: nothing to do (skipped);
 4. stop and remove the deployment's containers on EVERY host and verify they are gone (a new worker
    could join a stale head's rendezvous and hang);
@@ -34,7 +35,7 @@ from ..outcomes import HostFailure, HostResult
 from ..plan import Action
 from ..runrecord import HostLog, RunContext
 from ..secrets import mask_argv, register_named
-from . import api, probe, rendezvous
+from . import api, firewall, probe, rendezvous
 from .containers import (Container, create, discard, memory_gate, prepared_name, remove_all, run_argv, start,
                          write_secret_file)
 from ..fabric import detect
@@ -194,6 +195,13 @@ class _Launch:
                                 probe.table_digests(info[n].staged))
                  for n in self.names}
         envs = {n: expand_env(s.env, self.environ, str(dep.loaded.path)) for n, s in specs.items()}
+        # The deployment's firewall chain before anything could listen (and again on a no-op run,
+        # idempotently): the rendezvous store admits only the fabric addresses (firewall.py).
+        detected = {n: (f.address, f.network) for n, f in fabrics.items() if f}
+        _, bad = self.phase("firewall", self.names, lambda n: self.guard(n, detected))
+        if bad:
+            return self.abort(bad, f"nothing changed: the firewall rules could not be installed on "
+                                   f"{', '.join(sorted(bad))}")
 
         why = self.unchanged(specs, info)
         if why is None:
@@ -277,6 +285,11 @@ class _Launch:
                                                                            "hcas": list(f.hcas),
                                                                            "reason": f.reason}}))
         return out
+
+    def guard(self, name: str, detected: dict[str, tuple[str, str]]) -> str:
+        msg = firewall.apply_host(self.shells[name], firewall.ruleset(self.dep, self.dep.cluster.host(name), detected))
+        self.logs[name].write(msg)
+        return msg
 
     def create(self, name: str, spec: ContainerSpec, env: dict[str, str]) -> str:
         cid = create(self.shells[name], spec, env)

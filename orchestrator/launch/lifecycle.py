@@ -15,6 +15,7 @@ from ..executors.ssh import SSHError
 from ..outcomes import HostFailure, HostResult
 from ..secrets import mask_text
 from . import api, diagnosis, probe
+from .firewall import chain_name, remove_host
 from .commands import list_argv, logs_argv
 from .containers import Container, list_containers, logs_tail, remove_all
 from ..executors.shells import HostShell, Shells
@@ -228,14 +229,18 @@ def down_host(dep: "Deployment", host: str, log: "HostLog") -> "HostResult | str
     sh = HostShell(dep.cluster, dep.cluster.host(host), connect_timeout=DOWN_CONNECT_S)
     try:
         gone = remove_all(sh, dep.name)
+        rules = remove_host(sh, chain_name(dep.name), f"deployctl {dep.name}")   # after the engines
     except SSHError as e:
         raise HostFailure(f"could not reach the host, its containers (if any) are still there: {e}") from None
+    except RuntimeError as e:
+        raise HostFailure(str(e)) from None
     finally:
         sh.close()
+    log.write(rules)
     if not gone:
         log.write(f"no container of {dep.name}")
-        return HostResult(host, "down", "skipped", f"no container of {dep.name} here (verified)")
+        return HostResult(host, "down", "skipped", f"no container of {dep.name} here (verified); {rules}")
     msg = (f"stopped and removed {', '.join(f'{c.name} ({c.short_id})' for c in gone)}; "
-           f"verified: none of {dep.name} left")
+           f"verified: none of {dep.name} left; {rules}")
     log.write(msg)
     return msg

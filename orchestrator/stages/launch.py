@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..executors.docker_cli import docker_argv
 from ..launch.containerspec import planned_spec
+from ..launch.firewall import ruleset
 from ..plan import Action
 from ..runoptions import RunOptions
 from .base import Stage
@@ -14,11 +15,14 @@ def plan(dep, options: RunOptions):
     for h in dep.cluster.hosts:
         spec = planned_spec(dep, h)
         role = "head" if h.name == dep.cluster.head else "worker"
+        fw = ruleset(dep, h)       # launch adds the fabric addresses it detects to the admitted sources
         acts.append(Action("launch", h.name, "docker-run",
                            f"start {e.kind} rank {h.rank} ({role}) from {e.image} on {h.name}"
-                           + (f"; {dep.api_key.describe()}, required on /v1" if dep.api_key else ""),
+                           + (f"; {dep.api_key.describe()}, required on /v1" if dep.api_key else "")
+                           + (f"; firewall: {'; '.join(fw.summary)}" if not fw.empty else ""),
                            command=tuple(docker_argv(h, *spec.docker_run_argv()[1:])),
-                           details={"container": spec.to_json()}, job=spec))
+                           details={"container": spec.to_json(),
+                                    **({"firewall": fw.to_json()} if not fw.empty else {})}, job=spec))
     return acts, ""
 
 

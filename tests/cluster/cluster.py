@@ -780,6 +780,27 @@ class TestCluster:
     def fabric_bridge_address(self) -> str:
         return fabric_bridge_address(self.name)
 
+    @contextlib.contextmanager
+    def outsider(self, octet: int = 250) -> Iterator[tuple[str, str]]:
+        """A namespace of the test bed's own on the management bridge that no inventory names:
+        (netns, address). It routes each host's fabric address through that host's management address,
+        so it can try the fabric addresses too (a host accepts a packet for any of its addresses on any
+        link). Gone when the block ends."""
+        ns, veth = f"dctl-{self.name}-out", f"dctl{subnet_index(self.name)}out"
+        addr = f"{self.bridge_address.rsplit('.', 1)[0]}.{octet}"
+        if _netns_exists(ns):
+            _run(["ip", "netns", "del", ns], check=False)
+        fabric_net = f"{self.fabric_bridge_address.rsplit('.', 1)[0]}.0/24"
+        _batch("ip", [f"netns add {ns}", f"link add {veth} type veth peer name eth0 netns {ns}",
+                      f"link set {veth} master {self.bridge} up"])
+        try:
+            _batch("ip", [f"addr add {addr}/24 dev eth0", "link set eth0 up", "link set lo up",
+                          f"route add {fabric_net} via {self.hosts[0].address}",
+                          *(f"route add {h.fabric_address}/32 via {h.address}" for h in self.hosts)], netns=ns)
+            yield ns, addr
+        finally:
+            _run(["ip", "netns", "del", ns], check=False)
+
     def host(self, host: "str | TestHost") -> TestHost:
         name = host.name if isinstance(host, TestHost) else host
         for h in self.hosts:
