@@ -28,6 +28,7 @@ import yaml
 from orchestrator import releases as rel
 from orchestrator.benchmark.loadgen import SALT_WORDS
 from orchestrator.deployment import load_deployment
+from orchestrator.launch import firewall
 from tests.cluster.cluster import REAL_VLLM_REPO, inventory_data
 from tests.hub_endpoint import publish
 from tests.test_launch import IMAGE as DOUBLE_IMAGE
@@ -193,11 +194,12 @@ def test_tp2_up_status_logs_noop_relaunch_rollback_down(cluster, vllm_image, hub
     p = dctl("down", "-i", str(inv), timeout=300)
     assert p.returncode == 0, out(p)
     assert not any(containers(cluster, h.name, "rv2") for h in hosts)
+    chain = firewall.chain_name("rv2")        # other tests' deployments may keep chains of their own here
     for h in hosts:
         for tool in ("iptables", "ip6tables"):
             rules = subprocess.run(["ip", "netns", "exec", h.netns, tool, "-S"], capture_output=True, text=True,
                                    timeout=30).stdout
-            assert "DCTL-" not in rules and "deployctl" not in rules, (h.name, tool, rules)
+            assert chain not in rules and '"deployctl rv2"' not in rules, (h.name, tool, rules)
     _forget_releases(cluster, inv)
 
 
@@ -223,6 +225,12 @@ def outsider_is_kept_out(cluster, hub, tmp_path: Path, inv: Path, hosts, exposur
         assert reach(ns, head.address, 29611) == "refused"
         assert reach(ns, head.fabric_address, 29611) == "refused"
         assert reach(worker.netns, head.fabric_address, 29611) == "open", "a peer over the fabric"
+        # the store listens on ::, so IPv6 too: the head's link-local address on the management link
+        (link,) = [a["local"] for i in json.loads(subprocess.run(
+            ["ip", "-n", head.netns, "-6", "-j", "addr", "show", "dev", "eth0"], capture_output=True, text=True,
+            timeout=30).stdout) for a in i["addr_info"] if a.get("scope") == "link"]
+        assert reach(ns, f"{link}%eth0", 18110) != "open", "the API listens on the IPv4 management address only"
+        assert reach(ns, f"{link}%eth0", 29611) == "refused", "ip6tables: the store from the management link"
         for h in hosts:      # gloo's and the message queues' listeners (not touched from a peer: a stray
             fabric_ports = [port for _proto, addr, port, _p in exposure[h.name] if addr == h.fabric_address]
             assert fabric_ports, (h.name, exposure[h.name])        # connection would break their pairing)
@@ -262,6 +270,9 @@ def exposure_is_what_ss_says(cluster, inv: Path, deployment: str, hosts, api_por
                 for x in socks}
         assert ours == theirs and ours, (h.name, ours, theirs)
         assert all(x["container"] == cid[:12] for x in socks)
+        for x in socks:        # every fabric listener: confined to the fabric by the deployment's chain
+            if x["address"] == h.fabric_address:
+                assert x["reachable_from"].startswith("only 10.214.") and "firewall chain DCTL-" in x["reachable_from"], x
     head = {x["port"]: x for x in found[hosts[0].name]["sockets"]}
     assert (head[api_port]["scope"], head[api_port]["address"]) == ("management", hosts[0].address), head[api_port]
     assert not head[api_port]["concern"], head[api_port]

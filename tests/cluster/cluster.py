@@ -794,9 +794,13 @@ class TestCluster:
         _batch("ip", [f"netns add {ns}", f"link add {veth} type veth peer name eth0 netns {ns}",
                       f"link set {veth} master {self.bridge} up"])
         try:
+            # its IPv6 link-local address usable at once (no duplicate address detection to wait for)
+            _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.eth0.accept_dad=0"], check=False)
             _batch("ip", [f"addr add {addr}/24 dev eth0", "link set eth0 up", "link set lo up",
                           f"route add {fabric_net} via {self.hosts[0].address}",
                           *(f"route add {h.fabric_address}/32 via {h.address}" for h in self.hosts)], netns=ns)
+            _wait("the outsider's IPv6 link-local address", lambda: (lambda t: "scope link" in t and "tentative" not in t)(
+                _run(["ip", "-n", ns, "-6", "addr", "show", "dev", "eth0"], check=False).stdout), 10)
             yield ns, addr
         finally:
             _run(["ip", "netns", "del", ns], check=False)
