@@ -22,16 +22,16 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..deployment import Deployment
+from ..deployment import WILDCARD_ADDRESSES, Deployment
 from ..executors.shells import HostShell, Shells
 from ..outcomes import parallel
 from .containers import list_containers
-from .firewall import chain_name
+from .firewall import chain_name, read_chain
 
 SS_ARGV = ("ss", "-H", "-l", "-n", "-p", "-t", "-u")
 ADDR_ARGV = ("ip", "-j", "addr", "show")
 TIMEOUT_S = 30.0
-WILDCARDS = frozenset({"0.0.0.0", "::", "*"})
+WILDCARDS = WILDCARD_ADDRESSES | {"*"}          # ss prints a dual-stack wildcard as *
 _RULE = re.compile(r"^-A \S+ (?=.*--dport (\d+(?::\d+)?))(?=.*-j (RETURN|REJECT|DROP))")
 _USER = re.compile(r'\("((?:[^"\\]|\\.)*)",pid=(\d+),fd=\d+\)')
 
@@ -164,9 +164,7 @@ def read_host(dep: Deployment, sh: HostShell) -> dict[str, Any]:
         raise RuntimeError(f"{' '.join(SS_ARGV)} failed (exit {ss.rc}): {ss.stderr.strip()[-300:]}")
     addrs = parse_addresses(sh.run(list(ADDR_ARGV), timeout=TIMEOUT_S).stdout)
     chain = chain_name(dep.name)
-    rules = sh.run(["sh", "-c", 'iptables -S "$1" 2>/dev/null || sudo -n iptables -S "$1" 2>/dev/null; true',
-                    "sh", chain], timeout=TIMEOUT_S)
-    guards = parse_chain(rules.stdout)
+    guards = parse_chain(read_chain(sh, chain))
     api_port = dep.api_port if sh.host.name == dep.cluster.head else -1
     seen, out = set(), []
     for s in parse_ss(ss.stdout):

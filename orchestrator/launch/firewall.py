@@ -66,6 +66,11 @@ def chain_name(deployment: str) -> str:
     return "DCTL-" + hashlib.sha256(deployment.encode()).hexdigest()[:12]
 
 
+def jump_comment(deployment: str) -> str:
+    """The comment on the INPUT jump: what `iptables -S` shows an operator, and what -C/-D match."""
+    return f"deployctl {deployment}"
+
+
 def internal_ports(dep: "Deployment", host: "Host") -> tuple[int, ...]:
     """The ports of HOST that listen on every interface and serve only the deployment's own nodes."""
     if dep.recipe.parallelism.nodes > 1 and host.name == dep.cluster.head:
@@ -107,7 +112,7 @@ def ruleset(dep: "Deployment", host: "Host", detected: dict[str, tuple[str, str]
     (APPLY_SH). The store admits the deployment's fabric addresses only; the ephemeral ports admit
     the fabric's subnets, so that a chain left by one deployment never refuses another's peers on
     the same fabric."""
-    chain, comment = chain_name(dep.name), f"deployctl {dep.name}"
+    chain, comment = chain_name(dep.name), jump_comment(dep.name)
     multi = dep.recipe.parallelism.nodes > 1
     ports = internal_ports(dep, host)
     head = host.name == dep.cluster.head
@@ -165,6 +170,7 @@ REMOVE_SH = (_PRE +
              'while $S $t -D INPUT -m comment --comment "$2" -j "$1" 2>/dev/null; do :; done; '
              'if $S $t -S "$1" >/dev/null 2>&1; then $S $t -F "$1" && $S $t -X "$1" || exit 7; '
              'echo "removed $t chain $1"; fi; done')
+READ_SH = _PRE + '$S iptables -S "$1" 2>/dev/null; true'     # "" when the chain is not there
 
 
 def apply_host(sh: "HostShell", rs: Ruleset) -> str:
@@ -187,6 +193,11 @@ def remove_host(sh: "HostShell", chain: str, comment: str) -> str:
         raise RuntimeError(f"firewall chain {chain} not removed (exit {r.rc}): "
                            f"{(r.stderr or r.stdout).strip()[-300:]}")
     return r.stdout.strip().replace("\n", "; ") or f"no firewall chain {chain}"
+
+
+def read_chain(sh: "HostShell", chain: str) -> str:
+    """`iptables -S CHAIN` on the host (status --exposure reads what the chain admits)."""
+    return sh.run(["sh", "-c", READ_SH, "sh", chain], timeout=TIMEOUT_S).stdout
 
 
 def _family(addr: str) -> int:

@@ -15,7 +15,7 @@ from ..executors.ssh import SSHError
 from ..outcomes import HostFailure, HostResult
 from ..secrets import mask_text
 from . import api, diagnosis, probe
-from .firewall import chain_name, remove_host
+from .firewall import chain_name, jump_comment, remove_host
 from .commands import list_argv, logs_argv
 from .containers import Container, list_containers, logs_tail, remove_all
 from ..executors.shells import HostShell, Shells
@@ -229,7 +229,7 @@ def down_host(dep: "Deployment", host: str, log: "HostLog") -> "HostResult | str
     sh = HostShell(dep.cluster, dep.cluster.host(host), connect_timeout=DOWN_CONNECT_S)
     try:
         gone = remove_all(sh, dep.name)
-        rules = remove_host(sh, chain_name(dep.name), f"deployctl {dep.name}")   # after the engines
+        rules = remove_host(sh, chain_name(dep.name), jump_comment(dep.name))   # after the engines
     except SSHError as e:
         raise HostFailure(f"could not reach the host, its containers (if any) are still there: {e}") from None
     except RuntimeError as e:
