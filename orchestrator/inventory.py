@@ -53,6 +53,8 @@ CLUSTER_KEYS = {
                  "Enforced by the deployment's firewall chain on the head: list the controller too",
     "firewall": "rules (default): the deployment's own iptables chain confines the ports the engine cannot "
                 "bind to the fabric (vLLM's rendezvous store) to the deployment's fabric addresses; none: no rule",
+    "supervise": "true (default): `up` installs the deployment's supervisor, which restarts the group after a "
+                 "crash, a wedge or a reboot (docs/supervisor.md); false: nothing watches it",
     "known_hosts_file": "known_hosts file for SSH host key checks",
     "host_key_checking": "check SSH host keys (default true; false is an explicit opt-out)",
     "recipe_overrides": "mapping of recipe key.path: value applied before --set",
@@ -133,6 +135,7 @@ class Cluster:
     api_listen: str | None = None        # None: the head's management address (docs/exposure.md)
     api_allow: tuple[str, ...] | None = None   # None: no API rule; else the admitted sources
     firewall: str = "rules"              # rules | none (orchestrator/launch/firewall.py)
+    supervise: bool = True               # orchestrator/launch/supervision.py
 
     @property
     def head_host(self) -> Host:
@@ -266,6 +269,9 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     firewall = cvars.get("firewall", "rules")
     if firewall not in ("rules", "none"):
         raise err(f"expected rules or none, got {firewall!r}", "all.vars.firewall")
+    supervise = cvars.get("supervise", True)
+    if not isinstance(supervise, bool):
+        raise err(f"expected true or false, got {supervise!r}", "all.vars.supervise")
     hkc = cvars.get("host_key_checking", True)
     if not isinstance(hkc, bool):
         raise err(f"expected true or false, got {hkc!r}", "all.vars.host_key_checking")
@@ -314,6 +320,7 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         api_listen=api_listen,
         api_allow=api_allow,
         firewall=firewall,
+        supervise=supervise,
     )
 
 

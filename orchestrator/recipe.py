@@ -284,6 +284,33 @@ class ReleasesSpec:
         checks.fields(self, path, file, count=("keep",))
 
 
+@dataclass(frozen=True)
+class SuperviseSpec:
+    """The supervisor `up` installs (orchestrator/hostside/supervisor.py, docs/supervisor.md): what it
+    watches and how often it restarts the group before it gives up."""
+    enabled: bool = True
+    port: int = 8790                     # the head's control endpoint for the workers' agents (multi-node)
+    interval_s: float = 2.0              # one look at every rank and the API
+    health_failures: int = 3             # /health failing this many looks in a row: restart
+    wedge_interval_s: float = 30.0       # a small real completion this often while /health answers ...
+    wedge_timeout_s: float = 60.0        # ... that must finish within this (else: a wedge)
+    wedge_max_tokens: int = 4
+    mem_floor_gib: float = 0.0           # MemAvailable on a node below this (GiB; 0 = not watched) ...
+    mem_sustain_s: float = 30.0          # ... for this long: restart before the box locks
+    max_restarts: int = 3                # at most this many restarts in window_s, then: failed
+    window_s: float = 900.0
+    backoff_s: float = 10.0              # the wait before the 2nd restart in the window, doubled after
+    backoff_max_s: float = 300.0
+    silent_s: float = 15.0               # a worker's agent silent this long: no restart until it reports
+    keep_incidents: int = 50
+
+    def validate(self, path: str, file: str) -> None:
+        checks.fields(self, path, file, port=("port",),
+                      count=("health_failures", "wedge_max_tokens", "max_restarts", "keep_incidents"),
+                      positive=("interval_s", "wedge_interval_s", "wedge_timeout_s", "window_s", "silent_s"),
+                      non_negative=("mem_floor_gib", "mem_sustain_s", "backoff_s", "backoff_max_s"))
+
+
 VERDICTS = ("unreachable", "slow-link", "mtu", "subnet", "management", "link-down", "unmeasured")
 
 
@@ -329,6 +356,7 @@ class Recipe:
     sizing: SizingSpec = SizingSpec()
     releases: ReleasesSpec = ReleasesSpec()
     fabric: FabricSpec = FabricSpec()
+    supervise: SuperviseSpec = SuperviseSpec()
 
     def validate(self, path: str, file: str) -> None:
         from .hardware import KINDS

@@ -142,7 +142,13 @@ def test_the_rendezvous_store_is_confined_to_the_fabric_and_the_api_to_api_allow
                    f"-A {ch} -d 198.18.0.1 -p tcp --dport EPHEMERAL -s 198.18.1.4/32 -j RETURN",
                    f"-A {ch} -d 198.18.0.1 -p tcp --dport EPHEMERAL -j REJECT --reject-with tcp-reset"], \
         "the fabric listeners: the fabric's subnets (an address where the subnet is unknown)"
-    assert "192.0.2." not in rs.v4, "no management address is admitted"
+    sup = dep.recipe.supervise.port
+    control = [ln for ln in v4 if f"--dport {sup} " in ln]
+    assert control == [*(f"-A {ch} -p tcp --dport {sup} -s {h.address} -j RETURN" for h in dep.cluster.hosts),
+                       f"-A {ch} -p tcp --dport {sup} -j REJECT --reject-with tcp-reset"], \
+        "the supervisor's control port: the deployment's management addresses only"
+    assert "192.0.2." not in "".join(ln for ln in v4 if ln not in control), \
+        "no management address is admitted elsewhere"
     assert " -s " not in rs.v6 and f"--dport {port} -j REJECT" in rs.v6, "IPv6: only loopback"
     w = F.ruleset(dep, worker, detected)
     assert f"--dport {port}" not in w.v4 and "-d 198.18.0.2 -p tcp --dport EPHEMERAL" in w.v4, \
@@ -197,7 +203,9 @@ def test_rules_apply_idempotently_are_read_back_and_removed_with_the_real_iptabl
         mp = dep.recipe.engine.master_port
         assert got == [E.Guard("", mp, mp, ("198.18.0.1", "198.18.0.2")),
                        E.Guard("198.18.0.1", 40000, 50000, ("198.18.0.0/24",)),
-                       E.Guard("", dep.api_port, dep.api_port, ("192.0.2.200",))], got
+                       E.Guard("", dep.api_port, dep.api_port, ("192.0.2.200",)),
+                       E.Guard("", dep.recipe.supervise.port, dep.recipe.supervise.port,
+                               tuple(h.address for h in dep.cluster.hosts))], got
         c = E.classify(E.Socket("tcp", "*", mp, "VLLM::Worker_TP", 1), dep.cluster.hosts[0], {}, dep.api_port,
                        got, rs.chain)
         assert not c.concern and c.reachable_from.startswith("only 198.18.0.1, 198.18.0.2 and loopback")

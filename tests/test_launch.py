@@ -116,7 +116,19 @@ def leftovers(cluster, deployment: str, hosts=None) -> dict[str, list[str]]:
     return {n: c for n in names if (c := containers(cluster, n, deployment))}
 
 
+def agents(cluster, host: str, deployment: str) -> list[str]:
+    """The deployment's supervisor containers on HOST (orchestrator/launch/supervision.py)."""
+    p = _docker(cluster.host(host).docker_host, "ps", "-aq", "--filter", f"label=deployctl.supervisor={deployment}")
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split()
+
+
 def remove_all(cluster, deployment: str) -> None:
+    """The deployment's supervisors first (they would restart what is removed), then its engines."""
+    for h in cluster.hosts:
+        ids = agents(cluster, h.name, deployment)
+        if ids:
+            _docker(h.docker_host, "rm", "-f", *ids)
     for h in cluster.hosts:
         ids = containers(cluster, h.name, deployment)
         if ids:

@@ -32,7 +32,7 @@ from orchestrator.launch import firewall
 from tests.cluster.cluster import REAL_VLLM_REPO, inventory_data
 from tests.hub_endpoint import publish
 from tests.test_launch import IMAGE as DOUBLE_IMAGE
-from tests.test_launch import _docker, containers, dctl, double_image, out, remove_all, unwrap  # noqa: F401
+from tests.test_launch import _docker, agents, containers, dctl, double_image, out, remove_all, unwrap  # noqa: F401
 
 pytestmark = pytest.mark.cluster
 RECIPE, SERVED = "vllm-cpu", "tiny-llama"
@@ -190,6 +190,7 @@ def test_tp2_up_status_logs_noop_relaunch_rollback_down(cluster, vllm_image, hub
         assert a[a.index("--max-num-seqs") + 1] == "8", (h.name, a)
     code, _ = api(cluster, 18110, "/v1/models")
     assert code == 200
+    supervised_restart(cluster, inv, "rv2", hosts, 18110)
 
     p = dctl("down", "-i", str(inv), timeout=300)
     assert p.returncode == 0, out(p)
@@ -260,7 +261,8 @@ def exposure_is_what_ss_says(cluster, inv: Path, deployment: str, hosts, api_por
     found = json.loads(p.stdout)["exposure"]
     for h in hosts:
         (cid,) = containers(cluster, h.name, deployment)
-        pids = {x for x in _docker(h.docker_host, "top", cid, "-eo", "pid").stdout.split()[1:]}
+        ids = [cid, *agents(cluster, h.name, deployment)]      # the supervisor's too (#35)
+        pids = {x for i in ids for x in _docker(h.docker_host, "top", i, "-eo", "pid").stdout.split()[1:]}
         ss = subprocess.run(["ip", "netns", "exec", h.netns, "ss", "-H", "-l", "-n", "-p", "-t", "-u"],
                             capture_output=True, text=True, timeout=30).stdout
         theirs = {(f[0], f[4]) for line in ss.splitlines() if (f := line.split())
@@ -269,17 +271,49 @@ def exposure_is_what_ss_says(cluster, inv: Path, deployment: str, hosts, api_por
         ours = {(x["proto"], f"{'[' + x['address'] + ']' if ':' in x['address'] else x['address']}:{x['port']}")
                 for x in socks}
         assert ours == theirs and ours, (h.name, ours, theirs)
-        assert all(x["container"] == cid[:12] for x in socks)
+        assert {x["container"] for x in socks} <= {i[:12] for i in ids}
         for x in socks:        # every fabric listener: confined to the fabric by the deployment's chain
             if x["address"] == h.fabric_address:
                 assert x["reachable_from"].startswith("only 10.214.") and "firewall chain DCTL-" in x["reachable_from"], x
     head = {x["port"]: x for x in found[hosts[0].name]["sockets"]}
     assert (head[api_port]["scope"], head[api_port]["address"]) == ("management", hosts[0].address), head[api_port]
     assert not head[api_port]["concern"], head[api_port]
+    if agents(cluster, hosts[0].name, deployment):    # the supervisor's control endpoint: the deployment's hosts
+        ctl = head[load_deployment(inv).recipe.supervise.port]
+        assert ctl["scope"] == "management" and not ctl["concern"], ctl
+        assert ctl["reachable_from"].startswith("only " + ", ".join(h.address for h in hosts)), ctl
     store = head[master_port]
     assert store["scope"] == "every interface" and not store["concern"], store
     assert "firewall chain DCTL-" in store["reachable_from"] and hosts[1].fabric_address in store["reachable_from"], store
     return {n: [(x["proto"], x["address"], x["port"], x["process"]) for x in v["sockets"]] for n, v in found.items()}
+
+
+def supervised_restart(cluster, inv: Path, deployment: str, hosts, port: int) -> None:
+    """#35 with the real engine: the worker rank's engine process is killed (SIGKILL); the supervisor
+    `up` installed restarts the whole group (workers first, as up starts it) and the real vLLM serves the
+    same temperature-0 ids again; the incident names the rank, its real exit and vLLM's last lines."""
+    head, worker = hosts
+    (cid,) = containers(cluster, worker.name, deployment)
+    top = _docker(worker.docker_host, "top", cid, "-eo", "pid,comm").stdout.splitlines()[1:]
+    (pid,) = [int(ln.split()[0]) for ln in top if ln.split()[1].startswith("VLLM::Worker")]
+    before = json.loads(dctl("incidents", "-i", str(inv), "--json").stdout)["incidents"]
+    t0 = time.monotonic()
+    os.kill(pid, 9)
+    inc = None
+    while time.monotonic() - t0 < 300 and inc is None:
+        time.sleep(2)
+        items = json.loads(dctl("incidents", "-i", str(inv), "--json").stdout)["incidents"][len(before):]
+        inc = items[0] if items and items[0]["outcome"] != "open" else None
+    assert inc is not None, "no incident recorded within 300 s"
+    FOUND["tp2_supervised_recovery_s"] = time.monotonic() - t0
+    assert inc["outcome"] == "recovered", json.dumps(inc, indent=1)[-4000:]
+    assert inc["kind"] == "rank-exited" and inc["evidence"]["host"] == worker.name, json.dumps(inc, indent=1)[-6000:]
+    assert inc["release"]["number"] == 3, inc["release"]
+    tail = "\n".join(r for x in inc["ranks"].values() for r in x["log_tail"])
+    assert "died unexpectedly" in tail or "Worker" in tail, tail[-2000:]
+    assert greedy_ids(head, port) == FOUND["tp2_ids"], "the restarted group serves what it served"
+    print(f"\n[real vLLM TP=2] worker rank killed -> serving again in {FOUND['tp2_supervised_recovery_s']:.1f}s "
+          f"(incident {inc['id']}: {inc['summary']}; recovery {inc['recovery_s']}s)")
 
 
 def _forget_releases(cluster, inv: Path) -> None:
@@ -342,7 +376,9 @@ def test_tp4_serves_what_transformers_computes_then_a_killed_rank_is_named(clust
     the head's next request at once: gloo's allreduce is a ring, rank 0 talks to those two; rank 2's
     death wedges it: the ranks beside it fail and stay up, rank 0 waits forever, /health 200.)"""
     from tests.conformance.engines import run_probe
-    inv = inventory(cluster, hub, tmp_path, "rv4", cluster.hosts, 18112, 29613)
+    # unsupervised: what the real group does when a rank dies is the observation (the supervisor's
+    # restart of the real engine is the TP=2 test's)
+    inv = inventory(cluster, hub, tmp_path, "rv4", cluster.hosts, 18112, 29613, supervise=False)
     remove_all(cluster, "rv4")
     p = up(inv, "--json")
     assert p.returncode == 0, out(p)
@@ -488,7 +524,7 @@ def test_the_double_agrees_with_the_real_engine(cluster, vllm_image, hub, double
     want = {"readiness": FOUND["readiness_real"], **FOUND["probe_real"]}
     assert dctl("down", "-i", str(inv), timeout=120).returncode == 0
 
-    inv2 = inventory(cluster, hub, tmp_path, "dv4", cluster.hosts, 18116, 29616, double)
+    inv2 = inventory(cluster, hub, tmp_path, "dv4", cluster.hosts, 18116, 29616, double, supervise=False)
     remove_all(cluster, "dv4")
     p = up(inv2, "--skip", "build", timeout=300)
     assert p.returncode == 0, out(p)

@@ -23,6 +23,7 @@ COMMANDS = {
     "health": ("launch_cmd", "health_command"),
     "status": ("status_cmd", "status_command"),
     "logs": ("status_cmd", "logs_command"),
+    "incidents": ("incidents_cmd", "incidents_command"),
     "down": ("launch_cmd", "down_command"),
     "history": ("release_cmd", "history_command"),
     "rollback": ("release_cmd", "rollback_command"),
@@ -50,7 +51,7 @@ def cli() -> None:
     """Deploy very large LLMs onto small clusters of DGX Spark and RTX PRO 6000 hosts.
 
     An Ansible inventory and a recipe drive one pipeline: preflight, fabric, build, ship,
-    fetch-model, sync-model, stage-engram, write-ple, launch, health. Start with `deployctl plan`.
+    fetch-model, sync-model, stage-engram, write-ple, launch, health, supervise. Start with `deployctl plan`.
 
     Exit codes: 0 ok, 1 a host or stage failed, 2 bad input.
     """

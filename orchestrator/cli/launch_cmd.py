@@ -81,7 +81,7 @@ def down_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run):
     deployment's lock on the head.
     """
     from ..launch.firewall import chain_name
-    from ..launch.lifecycle import down_host, down_preview
+    from ..launch.lifecycle import down_host, down_preview, remove_supervisors
     dep = load_deployment(inventory, recipe, tuple(sets))
     if dry_run:
         out = Console(highlight=False, soft_wrap=True)
@@ -92,7 +92,10 @@ def down_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run):
             out.print(f"      $ {escape(shlex.join(mask_argv(argv)))}")
             out.print(f"    then remove the firewall chain {chain_name(dep.name)} and its INPUT jump "
                       f"(iptables, ip6tables), if there")
+        out.print(f"  before all of that, on every host: remove the supervisor's container "
+                  f"(label deployctl.supervisor={escape(dep.name)}), so nothing restarts what down stops")
         return
+    remove_supervisors(dep)          # first, without the lock: a supervisor restarting the group holds it
     run_host_command(command="down", dep=dep, fn=lambda action, log: down_host(dep, action.host, log),
                      summary=f"stop and remove the containers of {dep.name}",
                      as_json=as_json, verbose=verbose, quiet=quiet, lock=True)

@@ -79,6 +79,7 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify, exp
         key = f"; API key id {a['api_key_id']}" if a.get("api_key_id") else ""
         out.print(f"API {a['url']}: {verdict} ({escape(a['detail'])}){key}")
         _print_failure(out, doc.get("failure"), a["healthy"])
+        _print_supervisor(out, doc.get("supervisor") or {}, doc["hosts"])
         for host, rows in doc.get("tables_verified", {}).items():
             for stage, r in rows.items():
                 mark = "[green]verified[/green]" if r.get("up_to_date") else "[red]NOT current[/red]"
@@ -87,6 +88,25 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify, exp
             out.print(_exposure_table(doc["exposure"]))
     unread = any("error" in v for v in doc.get("exposure", {}).values())
     sys.exit(0 if all(r.get("reachable") for r in doc["hosts"]) and not bad_tables and not unread else 1)
+
+
+def _print_supervisor(out: Console, sup: dict[str, Any], hosts: list[dict[str, Any]]) -> None:
+    if not sup.get("enabled"):
+        out.print("Supervisor: [yellow]off[/yellow] (nothing restarts the deployment after a failure)")
+        return
+    if "error" in sup:
+        out.print(f"Supervisor: [red]unknown[/red] ({escape(sup['error'])})")
+        return
+    state = sup.get("state", "unknown")
+    color = {"watching": "green", "recovering": "yellow", "paused": "yellow", "waiting": "yellow"}.get(state, "red")
+    agents = [f"{h['host']} {(h.get('supervisor') or {}).get('state', 'none')}" for h in hosts if h.get("reachable")]
+    out.print(f"Supervisor: [{color}]{escape(state)}[/{color}]" + (f" ({escape(sup['detail'])})" if sup.get("detail") else "")
+              + (f"; install {sup['install']}" if sup.get("install") else "") + f"; containers: {escape(', '.join(agents))}")
+    last = sup.get("last_incident")
+    if last:
+        took = f", {last['recovery_s']:g}s" if last.get("recovery_s") is not None else ""
+        out.print(f"  last incident {escape(str(last['id']))} ({last['time_text']}): {escape(str(last['summary']))} "
+                  f"-> {escape(str(last['outcome']))}{took}; `deployctl incidents` lists all {sup.get('incidents')}")
 
 
 def _exposure_table(found: dict[str, dict[str, Any]]) -> Table:

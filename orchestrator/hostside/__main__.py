@@ -12,6 +12,7 @@ import sys
 OPS = {
     "engram-stage": "orchestrator.hostside.engram_stage",
     "ple-write": "orchestrator.hostside.ple_write",
+    "supervise": "orchestrator.hostside.supervisor",
 }
 
 

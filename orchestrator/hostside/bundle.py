@@ -27,18 +27,30 @@ def _members() -> list[tuple[str, bytes]]:
     return files
 
 
+def digest() -> str:
+    return hashlib.sha256(b"".join(n.encode() + b"\0" + d for n, d in _members())).hexdigest()[:12]
+
+
+def file_name() -> str:
+    return f"deployctl-tables-{digest()}.pyz"
+
+
 def build(dest_dir: str | Path) -> Path:
     """Write the zipapp into dest_dir (if not already there) and return its path."""
-    members = _members()
-    digest = hashlib.sha256(b"".join(n.encode() + b"\0" + d for n, d in members)).hexdigest()[:12]
-    out = Path(dest_dir) / f"deployctl-tables-{digest}.pyz"
+    out = Path(dest_dir) / file_name()
     if out.exists():
         return out
+    atomic_write_bytes(out, data())
+    return out
+
+
+def data() -> bytes:
+    """The zipapp's bytes (reproducible: fixed member times)."""
+    members = _members()
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        for name, data in members:
+        for name, body in members:
             info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))  # reproducible
             info.compress_type = zipfile.ZIP_DEFLATED
-            z.writestr(info, data)
-    atomic_write_bytes(out, buf.getvalue())
-    return out
+            z.writestr(info, body)
+    return buf.getvalue()

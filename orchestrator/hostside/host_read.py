@@ -95,8 +95,8 @@ class EngineAPI:
     def __init__(self, engine: str, timeout: float = 60.0):
         self.engine, self.path, self.timeout = engine, engine[len("unix://"):], timeout
 
-    def _get(self, url: str, method: str = "GET") -> tuple[int, bytes]:
-        conn = _UnixHTTP(self.path, self.timeout)
+    def _get(self, url: str, method: str = "GET", timeout: float | None = None) -> tuple[int, bytes]:
+        conn = _UnixHTTP(self.path, timeout or self.timeout)
         try:
             conn.request(method, url)
             r = conn.getresponse()

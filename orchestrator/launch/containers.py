@@ -19,9 +19,8 @@ from ..secrets import is_secret_name
 from .commands import list_argv, logs_argv
 from .memgate import GIB, MEMGATE_SH, mem_available_kib, memgate_argv, memgate_verdict  # noqa: F401
 from ..executors.shells import HostShell
-from .containerspec import SPEC_LABEL, ContainerSpec, env_references
+from .containerspec import SPEC_LABEL, STOP_TIMEOUT_S, ContainerSpec, env_references
 
-STOP_TIMEOUT_S = 10          # docker stop -t: SIGTERM, then SIGKILL after this long
 LOG_TAIL = 20
 
 @dataclass(frozen=True)

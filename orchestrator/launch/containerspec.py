@@ -21,6 +21,8 @@ from ..recipe import PleSpec
 from ..paths import RECIPES_DIR
 from ..fabric.detect import Fabric, fabric_env, head_address, topology_note
 
+STOP_TIMEOUT_S = 10          # docker stop -t: SIGTERM, then SIGKILL after this long (launch, down, the supervisor)
+
 # Where host folders appear inside the engine container.
 MODEL_MOUNT = "/model"
 ENGRAM_MOUNT = "/engram"

@@ -27,6 +27,7 @@ from ..executors.shells import HostShell, Shells
 from ..outcomes import parallel
 from .containers import list_containers
 from .firewall import chain_name, read_chain
+from . import supervision
 
 SS_ARGV = ("ss", "-H", "-l", "-n", "-p", "-t", "-u")
 ADDR_ARGV = ("ip", "-j", "addr", "show")
@@ -152,13 +153,14 @@ def _loopback(addr: str) -> bool:
 
 def read_host(dep: Deployment, sh: HostShell) -> dict[str, Any]:
     """One host's listening sockets of the deployment's containers, classified."""
-    cs = [c for c in list_containers(sh, dep.name, timeout=TIMEOUT_S) if c.running]
+    cs = [c.short_id for c in list_containers(sh, dep.name, timeout=TIMEOUT_S) if c.running]
+    cs += [a[0][:12] for a in supervision.agents(sh, dep) if a[1] == "running"]     # its control endpoint
     pids: dict[int, str] = {}
-    for c in cs:
-        r = sh.run(sh.docker("top", c.id, "-eo", "pid"), timeout=TIMEOUT_S)
+    for cid in cs:
+        r = sh.run(sh.docker("top", cid, "-eo", "pid"), timeout=TIMEOUT_S)
         if r.rc != 0:
-            raise RuntimeError(f"docker top {c.short_id} failed (exit {r.rc}): {r.stderr.strip()[-300:]}")
-        pids.update({p: c.short_id for p in parse_top(r.stdout)})
+            raise RuntimeError(f"docker top {cid} failed (exit {r.rc}): {r.stderr.strip()[-300:]}")
+        pids.update({p: cid for p in parse_top(r.stdout)})
     ss = sh.run(list(SS_ARGV), timeout=TIMEOUT_S)
     if ss.rc != 0:
         raise RuntimeError(f"{' '.join(SS_ARGV)} failed (exit {ss.rc}): {ss.stderr.strip()[-300:]}")
@@ -175,7 +177,7 @@ def read_host(dep: Deployment, sh: HostShell) -> dict[str, Any]:
         out.append(classify(Socket(**{**asdict(s), "container": pids[s.pid]}), sh.host, addrs, api_port,
                             guards, chain))
     out.sort(key=lambda s: (s.proto, s.port, s.address))
-    return {"containers": [c.short_id for c in cs], "sockets": [asdict(s) for s in out],
+    return {"containers": cs, "sockets": [asdict(s) for s in out],
             "firewall": {"chain": chain, "guards": [asdict(g) for g in guards]}}
 
 

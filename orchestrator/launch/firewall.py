@@ -35,6 +35,8 @@ import ipaddress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
+from . import supervision
+
 if TYPE_CHECKING:
     from ..deployment import Deployment
     from ..executors.shells import HostShell
@@ -142,12 +144,31 @@ def ruleset(dep: "Deployment", host: "Host", detected: dict[str, tuple[str, str]
         guard("EPHEMERAL", nets, "the engine's fabric listeners: the fabric", addr)
     if allow:
         guard(str(dep.api_port), allow, "the API: all.vars.api_allow")
+    control = supervision.head_port(dep) if head and multi else None
+    if control:
+        mgmt = management_sources(dep)
+        if mgmt is not None:
+            guard(str(control), mgmt, "the supervisor's control endpoint: the deployment's management addresses")
+        else:
+            summary.append(f"tcp {control} (the supervisor's control endpoint): not confined, a host's "
+                           "ansible_host is a name, not an address (its bearer token still guards it)")
     top = [f"-A {chain} -i lo -j RETURN", f"-A {chain} -m conntrack --ctstate ESTABLISHED,RELATED -j RETURN"]
     if head and not allow:      # the API is never touched unless api_allow asks
         top.append(f"-A {chain} -p tcp --dport {dep.api_port} -j RETURN")
     text = {fam: "".join(f"{line}\n" for line in ["*filter", f":{chain} - [0:0]", *top, *out, "COMMIT"])
             for fam, out in rules.items()}
     return Ruleset(host.name, chain, comment, text[4], text[6], tuple(summary))
+
+
+def management_sources(dep: "Deployment") -> list[str] | None:
+    """The deployment's hosts' management addresses, or None when one of them is a host name."""
+    out = []
+    for h in dep.cluster.hosts:
+        try:
+            out.append(str(ipaddress.ip_address(h.address)))
+        except ValueError:
+            return None
+    return sorted(set(out), key=_sort_key)
 
 
 # -- side effects ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from .. import apikey
 from ..executors.ssh import SSHError
 from ..outcomes import HostFailure, HostResult
 from ..secrets import mask_text
-from . import api, diagnosis, probe
+from . import api, diagnosis, probe, supervision
 from .firewall import chain_name, jump_comment, remove_host
 from .commands import list_argv, logs_argv
 from .containers import Container, list_containers, logs_tail, remove_all
@@ -74,6 +74,11 @@ def host_status(dep: "Deployment", sh: HostShell) -> dict[str, Any]:
         return row
     row.update(reachable=True, containers=[c.to_json() for c in read.containers],
                image={"ref": dep.recipe.engine.image, "id": read.image_id})
+    try:
+        agent = supervision.agents(sh, dep)
+        row["supervisor"] = {"id": agent[0][0], "state": agent[0][1], "install": agent[0][2]} if agent else None
+    except Exception as e:  # noqa: BLE001 - the engines' state is known without it
+        row["supervisor"] = {"state": "unknown", "error": str(e)}
     for c, doc in zip(read.containers, row["containers"]):
         if not c.running:     # the evidence of why it stopped (diagnosis.first_failure reads it)
             try:
@@ -107,13 +112,34 @@ def cluster_status(dep: "Deployment") -> dict[str, Any]:
         asked = pool.submit(ask_api)            # while the hosts answer
         with Shells(dep.cluster, CLEANUP_CONNECT_S) as shells:
             rows = parallel(names, lambda n: host_status(dep, shells[n]))
+            sup = supervisor_status(dep, shells[dep.cluster.head])
         chk = asked.result()
     hosts = [rows[n] if isinstance(rows[n], dict) else {"host": n, "reachable": False, "error": str(rows[n])}
              for n in names]
     return {"deployment": dep.name, "recipe": r.name, "image": r.engine.image,
             "api": {"url": dep.api_url, "healthy": chk.ok, "detail": chk.detail, "key_rejected": chk.rejected,
                     "api_key_id": dep.api_key.key_id if dep.api_key else None},
-            "hosts": hosts, "failure": diagnosis.first_failure([h for h in hosts if h.get("reachable")])}
+            "hosts": hosts, "failure": diagnosis.first_failure([h for h in hosts if h.get("reachable")]),
+            "supervisor": sup}
+
+
+def supervisor_status(dep: "Deployment", sh: HostShell) -> dict[str, Any]:
+    """The supervisor's state (state.json on the head) and its last incident."""
+    if not supervision.enabled(dep):
+        return {"enabled": False}
+    try:
+        found = supervision.read(dep, sh)
+    except Exception as e:  # noqa: BLE001 - status reports what it can
+        return {"enabled": True, "error": str(e)}
+    if found is None:
+        return {"enabled": True, "state": "not installed"}
+    st = found.get("state") or {}
+    incidents = found.get("incidents") or []
+    last = incidents[-1] if incidents else None
+    return {"enabled": True, "state": st.get("state", "unknown"), "detail": st.get("detail", ""),
+            "install": st.get("install"), "since": st.get("since"), "incidents": len(incidents),
+            "last_incident": None if last is None else
+            {k: last.get(k) for k in ("id", "kind", "time_text", "summary", "outcome", "recovery_s")}}
 
 
 def key_rotation(dep: "Deployment") -> str | None:
@@ -223,11 +249,22 @@ def down_preview(dep: "Deployment") -> list[tuple[str, list[str]]]:
     return [(h.name, list_argv(h.docker_host, dep.name)) for h in dep.cluster.hosts]
 
 
+def remove_supervisors(dep: "Deployment") -> dict[str, "list[str] | BaseException"]:
+    """The supervisor's containers off every host, before `down` takes the lock: a supervisor in the
+    middle of a restart holds it, and must not start anything once down has begun. Never fails the
+    caller: down_host removes (and verifies) them again, naming a host where it could not."""
+    with Shells(dep.cluster, CLEANUP_CONNECT_S) as shells:
+        return parallel([h.name for h in dep.cluster.hosts], lambda n: supervision.remove(shells[n], dep))
+
+
 def down_host(dep: "Deployment", host: str, log: "HostLog") -> "HostResult | str":
-    """Stop and remove the deployment's containers on HOST and verify none is left (listing again).
-    An unreachable host is a HostFailure; a host with nothing to remove is skipped."""
+    """Stop and remove the deployment's supervisor and containers on HOST and verify none is left
+    (listing again). An unreachable host is a HostFailure; a host with nothing to remove is skipped."""
     sh = HostShell(dep.cluster, dep.cluster.host(host), connect_timeout=DOWN_CONNECT_S)
     try:
+        agents = supervision.remove(sh, dep)
+        if agents:
+            log.write(f"removed the supervisor's container {', '.join(a[:12] for a in agents)}")
         gone = remove_all(sh, dep.name)
         rules = remove_host(sh, chain_name(dep.name), jump_comment(dep.name))   # after the engines
     except SSHError as e:

@@ -20,23 +20,19 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import StageFailed
+from ..paths import LOCK_DIR, lock_path  # noqa: F401  (re-exported: the lock's file)
 from ..executors.ssh import RemoteExec, SSHError, SSHSession, SSHTarget, command_line
 from ..hostside.command_agent import LOCK_BUSY
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
 
-LOCK_DIR = "/var/lock"
 BUSY = LOCK_BUSY             # flock -E (and the agent's answer): the lock is held by someone else
 ACQUIRE_TIMEOUT_S = 20.0
 
 
 class LockHeld(StageFailed):
     """Another run holds the deployment's lock (exit 1)."""
-
-
-def lock_path(deployment: str) -> str:
-    return f"{LOCK_DIR}/deployctl-{re.sub(r'[^A-Za-z0-9_.-]', '_', deployment)}.lock"
 
 
 def holder_text(command: str) -> str:

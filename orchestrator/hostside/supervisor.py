@@ -1,0 +1,743 @@
+"""The deployment's supervisor: what brings a deployment back by itself (issue #35), on the cluster.
+
+`deployctl up` (its `supervise` stage, orchestrator/launch/supervision.py) starts one agent container
+per host, from the serving image that is already there (it has python3), with
+`--restart unless-stopped`: Docker brings the agent back after its own crash, a restart of the
+engine and a reboot. It runs `python3 deployctl-tables-<digest>.pyz supervise /state/config.json`
+(this module, standard library only), with the host's Docker socket and its state folder mounted.
+
+- On the head it is the supervisor: it watches its own rank's container and the API, hears each
+  worker's agent over HTTP on the head's management address (bearer token, a per-install secret
+  in a 0600 file; on a multi-node deployment the firewall chain admits the deployment's hosts
+  only), decides, and restarts the whole group the way `up` starts it.
+- On a worker it is an agent: it reports its rank's container, MemAvailable, boot id and log tail
+  once a second and carries out the head's numbered stop/start orders. It never acts alone.
+
+A multi-node group is restarted as a group, in order (eugr/spark-vllm-docker #257: a head that
+restarts alone leaves the cluster orphaned): every rank stopped, the memory gate on the reports,
+then the start order of `up` (containerspec.start_sequence: workers first or head first), with the
+same containers (`docker start`: the current release's exact specs, nothing re-rendered). With
+exponential backoff, at most `max_restarts` in `window_s`; then it marks the deployment failed
+and stops trying.
+
+It never fights a person: it acts only while holding the deployment's lock (the flock(2) file
+`deployctl up/down/rollback` hold on the head, orchestrator/launch/lock.py), so it is paused while
+one of them runs; `down` removes the agents before the engines; a rank whose container is gone
+(removed by someone) is not recreated.
+
+Each event leaves an incident record on the head (incidents/<time>-<kind>.json, the last
+`keep_incidents` kept); the supervisor's state is state.json. Both are written atomically.
+"""
+from __future__ import annotations
+
+import hmac
+import http.server
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..fsutil import atomic_write_text
+from .command_agent import drop_lock, take_lock
+from .host_read import EngineAPI
+
+SOCKET = "/run/deployctl/docker.sock"    # the host's Docker socket, mounted here
+ENGINE_LABEL = "deployctl.deployment"     # the engines' label (launch/containers.py)
+LOG_TAIL = 30
+REPORT_EVERY_S = 1.0
+API_KINDS = ("health-failing", "wedge", "serving-errors")
+GiB_KIB = 1024 * 1024
+
+
+# ----------------------------------------------------------------------------------------- engine
+
+class Engine(EngineAPI):
+    """The Docker Engine API over the mounted socket (moby api/swagger.yaml: ContainerList,
+    ContainerInspect, ContainerStop, ContainerStart, ContainerLogs; unversioned paths)."""
+
+    def __init__(self, path: str = SOCKET, timeout: float = 30.0):
+        super().__init__(f"unix://{path}", timeout)
+
+    def _call(self, method: str, url: str, timeout: float | None = None) -> tuple[int, bytes]:
+        return self._get(url, method, timeout)
+
+    def containers(self, deployment: str) -> list[dict[str, Any]]:
+        """The deployment's engine containers (any state), inspected."""
+        q = urllib.parse.urlencode({"all": "1", "filters": json.dumps({"label": [f"{ENGINE_LABEL}={deployment}"]})})
+        status, body = self._call("GET", f"/containers/json?{q}")
+        if status != 200:
+            raise OSError(f"docker ps: HTTP {status}: {body[:200]!r}")
+        out = []
+        for c in json.loads(body):
+            st, doc = self._call("GET", f"/containers/{c['Id']}/json")
+            if st == 200:
+                out.append(json.loads(doc))
+        return out
+
+    def stop(self, cid: str, t: int) -> None:
+        status, body = self._call("POST", f"/containers/{cid}/stop?t={t}", timeout=t + 30)
+        if status not in (204, 304):
+            raise OSError(f"docker stop {cid[:12]}: HTTP {status}: {body[:200]!r}")
+
+    def start(self, cid: str) -> None:
+        status, body = self._call("POST", f"/containers/{cid}/start", timeout=120)
+        if status not in (204, 304):
+            raise OSError(f"docker start {cid[:12]}: HTTP {status}: {body[:200]!r}")
+
+    def logs_tail(self, cid: str, n: int = LOG_TAIL) -> list[str]:
+        status, body = self._call("GET", f"/containers/{cid}/logs?stdout=1&stderr=1&tail={n}")
+        if status != 200:
+            return [f"(its log could not be read: HTTP {status})"]
+        return demux(body).decode(errors="replace").splitlines()[-n:]
+
+
+def demux(raw: bytes) -> bytes:
+    """A non-TTY container's log stream: 8-byte frame headers (stream, 0, 0, 0, size BE32) + payload."""
+    out, i = bytearray(), 0
+    while i + 8 <= len(raw) and raw[i] in (0, 1, 2) and raw[i + 1:i + 4] == b"\0\0\0":
+        size = int.from_bytes(raw[i + 4:i + 8], "big")
+        out += raw[i + 8:i + 8 + size]
+        i += 8 + size
+    return bytes(out) if i else raw
+
+
+# --------------------------------------------------------------------------------- observation
+
+@dataclass
+class RankView:
+    """One rank as last seen: its container (None: no container of the deployment on that host)."""
+    host: str
+    container: dict[str, Any] | None
+    boot_id: str = ""
+    mem_kib: int | None = None
+    age_s: float = 0.0                  # since the report (0 for the head's own rank)
+    log_tail: list[str] = field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        return bool(self.container) and self.container.get("status") == "running"
+
+
+def container_view(doc: dict[str, Any]) -> dict[str, Any]:
+    st = doc.get("State") or {}
+    labels = (doc.get("Config") or {}).get("Labels") or {}
+    return {"id": doc.get("Id", ""), "name": (doc.get("Name") or "").lstrip("/"),
+            "status": st.get("Status", ""), "exit_code": int(st.get("ExitCode") or 0),
+            "oom_killed": bool(st.get("OOMKilled")), "error": st.get("Error") or "",
+            "started_at": st.get("StartedAt", ""), "finished_at": st.get("FinishedAt", ""),
+            "spec": labels.get("deployctl.spec", ""), "image": doc.get("Image", "")}
+
+
+def exit_text(c: dict[str, Any]) -> str:
+    code = c.get("exit_code", 0)
+    sig = ""
+    if code > 128:
+        try:
+            sig = f" ({signal.Signals(code - 128).name})"
+        except ValueError:
+            pass
+    oom = ", OOM-killed by the kernel" if c.get("oom_killed") else ""
+    err = f", {c['error']}" if c.get("error") else ""
+    return f"{c.get('status')} with exit code {code}{sig}{oom}{err}"
+
+
+@dataclass
+class Finding:
+    kind: str              # rank-exited | rank-missing | node-rebooted | health-failing | wedge | memory-low
+    summary: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    act: bool = True       # False: recorded, nothing restarted (rank-missing: someone removed it)
+
+
+class Detector:
+    """What is wrong, from the views (no I/O: tests/test_supervisor_units.py drives it)."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        self.cfg = cfg
+        self.boot_ids: dict[str, str] = dict(cfg.get("boot_ids") or {})
+        self.health_failures = 0
+        self.mem_low_since: dict[str, float] = {}
+
+    def reset(self) -> None:
+        """After a restart or a pause: what was counted belongs to the containers before."""
+        self.health_failures = 0
+        self.mem_low_since.clear()
+
+    def observe(self, ranks: dict[str, RankView], health: tuple[bool, str] | None,
+                wedge: tuple[bool, str] | None, now: float) -> Finding | None:
+        cfg = self.cfg
+        for name, r in ranks.items():             # a boot id that changed: the node rebooted
+            if r.boot_id:
+                was = self.boot_ids.setdefault(name, r.boot_id)
+                if was != r.boot_id:
+                    self.boot_ids[name] = r.boot_id
+                    return Finding("node-rebooted", f"{name} rebooted (boot id {was[:8]} -> {r.boot_id[:8]})",
+                                   {"host": name, "boot_id_before": was, "boot_id": r.boot_id})
+        for name, r in ranks.items():
+            if r.container is None:
+                return Finding("rank-missing", f"{name}: no container of {cfg['deployment']} (removed by "
+                                               "someone): not restarting", {"host": name}, act=False)
+        stopped = [n for n, r in ranks.items() if not r.running]
+        if stopped:       # the first to stop is the cause; the others followed it (RFC 3339 UTC times sort)
+            name = min(stopped, key=lambda n: (ranks[n].container or {}).get("finished_at") or "~")
+            r = ranks[name]
+            return Finding("rank-exited", f"{name}: {r.container.get('name')} {exit_text(r.container)}"
+                           + (f" (then {', '.join(n for n in stopped if n != name)})" if len(stopped) > 1 else ""),
+                           {"host": name, "container": r.container, "log_tail": r.log_tail,
+                            "also_stopped": [n for n in stopped if n != name]})
+        floor = cfg.get("mem_floor_kib") or 0
+        for name, r in ranks.items():
+            if floor and r.mem_kib is not None and r.mem_kib < floor:
+                since = self.mem_low_since.setdefault(name, now)
+                if now - since >= cfg["mem_sustain_s"]:
+                    return Finding("memory-low", f"{name}: MemAvailable {r.mem_kib / GiB_KIB:.1f} GiB below the "
+                                                 f"floor {floor / GiB_KIB:.1f} GiB for {now - since:.0f}s",
+                                   {"host": name, "mem_available_kib": r.mem_kib, "floor_kib": floor})
+            else:
+                self.mem_low_since.pop(name, None)
+        if health is not None:
+            ok, detail = health
+            self.health_failures = 0 if ok else self.health_failures + 1
+            if self.health_failures >= cfg["health_failures"]:
+                return Finding("health-failing", f"{cfg['api']['url']}/health failed {self.health_failures} "
+                                                 f"times in a row: {detail}", {"detail": detail})
+            if ok and wedge is not None and not wedge[0]:
+                if wedge[1].startswith("HTTP"):      # it answered, with an error (vLLM: EngineDeadError)
+                    return Finding("serving-errors", f"/health answers but a {cfg['wedge']['max_tokens']}-token "
+                                                     f"completion failed: {wedge[1]}", {"detail": wedge[1]})
+                return Finding("wedge", f"/health answers but a {cfg['wedge']['max_tokens']}-token completion "
+                                        f"did not finish within {cfg['wedge']['timeout_s']:g}s: {wedge[1]}",
+                               {"detail": wedge[1]})
+        return None
+
+
+# --------------------------------------------------------------------------------------- probes
+
+def _request(url: str, key: str | None, body: dict | None, timeout: float) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
+                                 method="POST" if body is not None else "GET",
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def health(api: dict[str, Any], key: str | None) -> tuple[bool, str]:
+    try:
+        code, _ = _request(api["url"] + "/health", key, None, api["health_timeout_s"])
+    except (OSError, ValueError) as e:
+        return False, f"{type(e).__name__}: {e}"
+    return code == 200, f"HTTP {code}"
+
+
+def completion(api: dict[str, Any], wedge: dict[str, Any], key: str | None) -> tuple[bool, str]:
+    """A small real completion: what /health cannot tell (hasso5703/dgx-spark-qwen38 #2)."""
+    body = {"model": api["served_name"], "messages": [{"role": "user", "content": wedge["prompt"]}],
+            "max_tokens": wedge["max_tokens"], "temperature": 0}
+    t0 = time.monotonic()
+    try:
+        code, raw = _request(api["url"] + "/v1/chat/completions", key, body, wedge["timeout_s"])
+    except (OSError, ValueError) as e:
+        return False, f"{type(e).__name__} after {time.monotonic() - t0:.1f}s: {e}"
+    if code != 200:
+        return False, f"HTTP {code}: {raw[:200].decode(errors='replace')}"
+    try:
+        json.loads(raw)["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return False, f"HTTP 200 without choices: {raw[:200].decode(errors='replace')}"
+    return True, f"answered in {time.monotonic() - t0:.2f}s"
+
+
+# ------------------------------------------------------------------------------------- the host
+
+def read_file(path: str, default: str = "") -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError:
+        return default
+
+
+def mem_available_kib() -> int | None:
+    for line in read_file("/proc/meminfo").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1])
+    return None
+
+
+def masker(secrets: list[str]) -> Callable[[str], str]:
+    """Secrets out of every line kept: the serving key's value and `--api-key X`-like arguments."""
+    pat = re.compile(r"(?i)((?:api[-_]?key|token|secret|password)[\"']?\s*[=:]?\s*[\"']?)([^\s\"',]{6,})")
+    values = [s for s in secrets if s]
+
+    def mask(line: str) -> str:
+        for v in values:
+            line = line.replace(v, "***")
+        return pat.sub(lambda m: m.group(1) + "***", line)
+    return mask
+
+
+class Local:
+    """This host's rank: its container, memory, boot id."""
+
+    def __init__(self, cfg: dict[str, Any], engine: Engine):
+        self.cfg, self.engine = cfg, engine
+        self.boot_id_file = cfg.get("boot_id_file") or "/proc/sys/kernel/random/boot_id"
+
+    def container(self) -> dict[str, Any] | None:
+        docs = self.engine.containers(self.cfg["deployment"])
+        docs.sort(key=lambda d: (d.get("State") or {}).get("Running", False))     # a running one last
+        return container_view(docs[-1]) if docs else None
+
+    def view(self, mask: Callable[[str], str]) -> RankView:
+        c = self.container()
+        tail = [mask(x) for x in self.engine.logs_tail(c["id"])] if c and c["status"] != "running" else []
+        return RankView(self.cfg["host"], c, read_file(self.boot_id_file), mem_available_kib(), 0.0, tail)
+
+    def do(self, verb: str) -> str:
+        c = self.container()
+        if c is None:
+            raise OSError(f"no container of {self.cfg['deployment']} on {self.cfg['host']}")
+        if verb == "stop":
+            if c["status"] in ("running", "restarting", "paused"):
+                self.engine.stop(c["id"], self.cfg["stop_timeout_s"])
+            return f"stopped {c['name']}"
+        if verb == "start":
+            self.engine.start(c["id"])
+            return f"started {c['name']}"
+        raise ValueError(f"unknown order {verb!r}")
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) + " " + msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------- the head
+
+class Supervisor:
+    def __init__(self, cfg: dict[str, Any], state_dir: str, engine: Engine):
+        self.cfg, self.dir, self.engine = cfg, state_dir, engine
+        self.local = Local(cfg, engine)
+        self.token = read_file(os.path.join(state_dir, "token"))
+        self.key = read_file(os.path.join(state_dir, "api_key")) or None
+        self.mask = masker([self.token, self.key or ""])
+        self.reports: dict[str, tuple[float, dict[str, Any]]] = {}     # host -> (received, report)
+        self.orders: dict[str, dict[str, Any]] = {}                     # host -> {"id", "verb"}
+        self.done: dict[str, dict[str, Any]] = {}                       # host -> the last order carried out
+        self.lock = threading.Lock()
+        self.next_order = int(time.time() * 1000)
+        saved = self.load_state()
+        self.restarts: list[float] = [t for t in saved.get("restarts", []) if isinstance(t, (int, float))]
+        cfg = dict(cfg, boot_ids=saved.get("boot_ids") or {}) if saved.get("install") == cfg["install"] else cfg
+        self.detector = Detector(cfg)
+        self.state = saved.get("state", "watching") if saved.get("install") == self.cfg["install"] else "watching"
+        self.detail = saved.get("detail", "") if self.state == "failed" else ""
+        self.last_incident = saved.get("last_incident") if saved.get("install") == self.cfg["install"] else None
+        self.failed_ids: list[str] = saved.get("failed_ids", []) if self.state == "failed" else []
+        self.last_wedge = 0.0
+        self.stopping = threading.Event()
+
+    # -- state and incidents -----------------------------------------------------------------
+    def load_state(self) -> dict[str, Any]:
+        try:
+            return json.loads(read_file(os.path.join(self.dir, "state.json"), "{}"))
+        except ValueError:
+            return {}
+
+    def save_state(self) -> None:
+        doc = {"deployment": self.cfg["deployment"], "install": self.cfg["install"], "state": self.state,
+               "detail": self.detail, "since": time.time(), "restarts": self.restarts[-50:],
+               "boot_ids": self.detector.boot_ids, "last_incident": self.last_incident, "pid": os.getpid(),
+               "failed_ids": self.failed_ids,
+               "workers": {h: {"seen_s_ago": round(time.time() - t, 1)} for h, (t, _) in self.reports.items()}}
+        atomic_write_text(os.path.join(self.dir, "state.json"), json.dumps(doc, indent=1) + "\n")
+
+    def set_state(self, state: str, detail: str = "") -> None:
+        if (state, detail) != (self.state, self.detail):
+            log(f"state {state}" + (f": {detail}" if detail else ""))
+        self.state, self.detail = state, detail
+        self.save_state()
+
+    def incident(self, f: Finding, ranks: dict[str, RankView]) -> dict[str, Any]:
+        now = time.time()
+        inc = {"id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + f"-{f.kind}",
+               "deployment": self.cfg["deployment"], "time": now,
+               "time_text": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now)),
+               "kind": f.kind, "summary": self.mask(f.summary), "evidence": json.loads(self.mask(json.dumps(f.evidence))),
+               "ranks": {n: {"container": r.container, "exit": exit_text(r.container) if r.container else "no container",
+                             "log_tail": [self.mask(x) for x in r.log_tail], "boot_id": r.boot_id,
+                             "report_age_s": round(r.age_s, 1)} for n, r in ranks.items()},
+               "mem_available_gib": {n: None if r.mem_kib is None else round(r.mem_kib / GiB_KIB, 2)
+                                     for n, r in ranks.items()},
+               "specs": {n: (r.container or {}).get("spec", "") for n, r in ranks.items()},
+               "images": {n: (r.container or {}).get("image", "") for n, r in ranks.items()},
+               "release": self.release(), "actions": [], "outcome": "open", "recovery_s": None}
+        self.write_incident(inc)
+        return inc
+
+    def release(self) -> Any:
+        try:
+            hist = json.loads(read_file(self.cfg["release_history"], "[]") or "[]")
+        except ValueError:
+            return None
+        items = hist.get("releases", []) if isinstance(hist, dict) else hist
+        last = items[-1] if items else None
+        return {k: last.get(k) for k in ("number", "time", "image_id", "command", "rollback_of", "specs")
+                if k in last} if isinstance(last, dict) else None      # orchestrator/releases.py Release.to_json
+
+    def write_incident(self, inc: dict[str, Any]) -> None:
+        d = os.path.join(self.dir, "incidents")
+        os.makedirs(d, exist_ok=True)
+        atomic_write_text(os.path.join(d, inc["id"] + ".json"), json.dumps(inc, indent=1) + "\n")
+        self.last_incident = {k: inc[k] for k in ("id", "kind", "summary", "time", "outcome")}
+        names = sorted(n for n in os.listdir(d) if n.endswith(".json"))
+        for old in names[:-self.cfg["keep_incidents"]]:
+            os.unlink(os.path.join(d, old))
+        self.save_state()
+
+    # -- what the workers say ----------------------------------------------------------------
+    def sync(self, report: dict[str, Any]) -> dict[str, Any]:
+        host = report.get("host")
+        if host not in self.cfg["workers"]:
+            raise ValueError(f"unknown host {host!r}")
+        with self.lock:
+            self.reports[host] = (time.monotonic(), report)
+            if report.get("done"):
+                self.done[host] = report["done"]
+            return {"order": self.orders.get(host)}
+
+    def views(self) -> dict[str, RankView]:
+        out = {self.cfg["host"]: self.local.view(self.mask)}
+        now = time.monotonic()
+        with self.lock:
+            for h in self.cfg["workers"]:
+                t, r = self.reports.get(h, (None, None))
+                if r is None:
+                    continue
+                out[h] = RankView(h, r.get("container"), r.get("boot_id", ""), r.get("mem_kib"), now - t,
+                                  r.get("log_tail") or [])
+        return out
+
+    def silent(self) -> list[str]:
+        now = time.monotonic()
+        with self.lock:
+            return [h for h in self.cfg["workers"]
+                    if h not in self.reports or now - self.reports[h][0] > self.cfg["silent_s"]]
+
+    # -- orders ------------------------------------------------------------------------------
+    def order(self, hosts: list[str], verb: str, timeout: float) -> dict[str, str]:
+        """Give HOSTS (the head included: done here) VERB; wait until each says it is done.
+        Returns {host: problem} for those that did not (an error or silence)."""
+        problems: dict[str, str] = {}
+        ids = {}
+        with self.lock:
+            for h in hosts:
+                if h == self.cfg["host"]:
+                    continue
+                self.next_order += 1
+                ids[h] = self.next_order
+                self.orders[h] = {"id": self.next_order, "verb": verb}
+        if self.cfg["host"] in hosts:
+            try:
+                log(self.local.do(verb))
+            except OSError as e:
+                problems[self.cfg["host"]] = str(e)
+        deadline = time.monotonic() + timeout
+        while ids and time.monotonic() < deadline and not self.stopping.is_set():
+            with self.lock:
+                for h in list(ids):
+                    d = self.done.get(h) or {}
+                    if d.get("id") == ids[h]:
+                        if d.get("error"):
+                            problems[h] = d["error"]
+                        del ids[h]
+            time.sleep(0.2)
+        problems.update({h: f"its agent did not carry out `{verb}` within {timeout:g}s" for h in ids})
+        return problems
+
+    def wait_for(self, cond: Callable[[dict[str, RankView]], str | None], timeout: float) -> str | None:
+        """Poll the views until COND returns None (met); returns COND's last complaint on timeout."""
+        deadline = time.monotonic() + timeout
+        why: str | None = "not checked"
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            time.sleep(REPORT_EVERY_S)
+            why = cond(self.views())
+            if why is None:
+                return None
+        return why
+
+    def ready(self) -> tuple[bool, str]:
+        ok, detail = health(self.cfg["api"], self.key)
+        if not ok:
+            return False, f"/health: {detail}"
+        return completion(self.cfg["api"], self.cfg["wedge"], self.key)
+
+    # -- recovery ----------------------------------------------------------------------------
+    def recover(self, f: Finding, ranks: dict[str, RankView]) -> None:
+        cfg = self.cfg
+        now = time.time()
+        inc = self.incident(f, ranks)
+        log(f"incident {inc['id']}: {inc['summary']}")
+        if not f.act:
+            inc.update(outcome="not restarted", actions=[{"t": 0, "what": f.summary}])
+            self.write_incident(inc)
+            self.set_state("paused", f.summary)
+            return
+        self.restarts = [t for t in self.restarts if now - t < cfg["window_s"]]
+        if len(self.restarts) >= cfg["max_restarts"]:
+            inc.update(outcome="gave up", actions=[{"t": 0, "what": f"{len(self.restarts)} restarts in the last "
+                                                              f"{cfg['window_s']:g}s: not trying again"}])
+            self.write_incident(inc)
+            self.failed_ids = sorted((r.container or {}).get("id", "") for r in ranks.values())
+            self.set_state("failed", f"gave up after {len(self.restarts)} restarts in {cfg['window_s']:g}s "
+                                     f"(last: {inc['summary']}); run `deployctl up` to start it again")
+            return
+        holder = cfg["lock_file"]
+        locks: dict[str, int] = {}
+        r = take_lock(locks, holder, f"deployctl supervisor on {cfg['host']} pid {os.getpid()} since "
+                                     f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+        if r["rc"] != 0:
+            inc.update(outcome="not restarted: the deployment's lock is held (a deployctl command runs)")
+            self.write_incident(inc)
+            return
+        t0 = time.monotonic()
+        actions = inc["actions"]
+
+        def act(what: str) -> None:
+            actions.append({"t": round(time.monotonic() - t0, 2), "what": self.mask(what)})
+            log(what)
+            self.write_incident(inc)
+        try:
+            delay = 0.0 if not self.restarts else min(cfg["backoff_max_s"], cfg["backoff_s"] * 2 ** (len(self.restarts) - 1))
+            self.restarts.append(now)
+            self.set_state("recovering", f"{f.kind}: restart {len(self.restarts)} of at most {cfg['max_restarts']} "
+                                         f"in {cfg['window_s']:g}s")
+            if delay:
+                act(f"backoff: waiting {delay:g}s before restart {len(self.restarts)}")
+                self.stopping.wait(delay)
+            outcome = self.restart_group(act)
+            inc.update(outcome=outcome, recovery_s=round(time.monotonic() - t0, 1))
+            self.write_incident(inc)
+            self.set_state("watching" if outcome == "recovered" else "degraded", "" if outcome == "recovered" else outcome)
+        finally:
+            drop_lock(locks, holder)
+            self.detector.reset()
+
+    def restart_group(self, act: Callable[[str], None]) -> str:
+        cfg = self.cfg
+        everyone = [cfg["host"], *cfg["workers"]]
+        silent = self.silent()
+        if silent:
+            return f"not restarted: no report from {', '.join(silent)} (host down or its agent not running)"
+        act(f"stopping every rank ({', '.join(everyone)})")
+        bad = self.order(everyone, "stop", cfg["stop_timeout_s"] + 30)
+        if bad:
+            return "stop failed: " + "; ".join(f"{h}: {p}" for h, p in bad.items())
+        why = self.wait_for(lambda v: next((f"{n} still {r.container.get('status')}" for n, r in v.items()
+                                            if r.running), None), 30)
+        if why:
+            return f"stop failed: {why}"
+        gate = cfg["gate_kib"]
+        if gate:
+            why = self.wait_for(lambda v: next((f"{n}: MemAvailable {r.mem_kib / GiB_KIB:.1f} GiB < "
+                                                f"{gate / GiB_KIB:.1f} GiB" for n, r in v.items()
+                                                if r.mem_kib is not None and r.mem_kib < gate), None), 60)
+            if why:
+                return f"memory gate: {why}"
+            act(f"memory gate passed (MemAvailable >= {gate / GiB_KIB:.1f} GiB on every host)")
+        for group in cfg["order"]:
+            if group == [cfg["host"]] and cfg["wait_before_head_s"]:
+                act(f"waiting {cfg['wait_before_head_s']:g}s after the workers before starting the head")
+                self.stopping.wait(cfg["wait_before_head_s"])
+            act(f"starting {', '.join(group)}")
+            bad = self.order(group, "start", 60)
+            if bad:
+                return "start failed: " + "; ".join(f"{h}: {p}" for h, p in bad.items())
+        t_start = time.monotonic()
+        deadline = t_start + cfg["startup_timeout_s"]
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            views = self.views()
+            dead = [n for n, r in views.items() if not r.running]
+            if dead and time.monotonic() - t_start > 3 * REPORT_EVERY_S:
+                n = dead[0]
+                return f"{n} exited during the start: {exit_text(views[n].container) if views[n].container else 'gone'}"
+            ok, detail = self.ready()
+            if ok:
+                act(f"ready: the API answers ({detail}) {time.monotonic() - t_start:.1f}s after the start")
+                return "recovered"
+            time.sleep(cfg["api"]["poll_s"])
+        return f"not ready within the startup timeout {cfg['startup_timeout_s']:g}s"
+
+    # -- the loop ----------------------------------------------------------------------------
+    def lock_busy(self) -> str | None:
+        path = self.cfg["lock_file"]
+        locks: dict[str, int] = {}
+        r = take_lock(locks, path, f"deployctl supervisor on {self.cfg['host']} (checking)")
+        if r["rc"] == 0:
+            drop_lock(locks, path)
+            return None
+        return "a deployctl command holds the deployment's lock"
+
+    def tick(self) -> None:
+        cfg = self.cfg
+        if self.state == "failed":
+            self.revive()
+            return
+        busy = self.lock_busy()
+        if busy:
+            self.detector.reset()
+            self.set_state("paused", busy)
+            return
+        ranks = self.views()
+        missing = [h for h in cfg["workers"] if h not in ranks]
+        if missing:
+            self.set_state("waiting", f"no report yet from {', '.join(missing)}")
+            return
+        stale = [h for h, r in ranks.items() if r.age_s > cfg["silent_s"]]
+        if stale:
+            self.set_state("waiting", f"no report from {', '.join(stale)} for {cfg['silent_s']:g}s")
+            return
+        if self.state == "paused" and ranks and all(r.container is None for r in ranks.values()):
+            return          # nothing deployed any more (a down in progress): keep still
+        hc = health(cfg["api"], self.key) if all(r.running for r in ranks.values()) else None
+        wedge = None
+        if hc and hc[0] and time.monotonic() - self.last_wedge >= cfg["wedge"]["interval_s"]:
+            self.last_wedge = time.monotonic()
+            wedge = completion(cfg["api"], cfg["wedge"], self.key)
+        f = self.detector.observe(ranks, hc, wedge, time.monotonic())
+        if f is None:
+            self.set_state("watching")
+            return
+        if f.kind in API_KINDS:
+            # The API fails first when a rank dies (the head's next request fails at once): look at the
+            # ranks again once every agent has reported since, and name the rank if one stopped.
+            self.stopping.wait(2.5 * REPORT_EVERY_S)
+            again = self.views()
+            cause = Detector({**cfg, "mem_floor_kib": 0}).observe(again, None, None, time.monotonic())
+            if cause is not None and cause.kind == "rank-exited":
+                cause.evidence["api"] = f.summary
+                f, ranks = cause, again
+        if f.kind == "rank-missing" and self.state == "paused" and self.detail == f.summary:
+            return
+        self.recover(f, ranks)
+
+    def revive(self) -> None:
+        """After giving up: a person brought it back (`deployctl up` made new containers and they all
+        run): watch again with a fresh budget. The same containers stay failed."""
+        if self.lock_busy():
+            return
+        ranks = self.views()
+        ids = sorted((r.container or {}).get("id", "") for r in ranks.values())
+        if len(ranks) == 1 + len(self.cfg["workers"]) and all(r.running for r in ranks.values()) \
+                and not set(ids) & set(self.failed_ids):
+            self.restarts, self.failed_ids = [], []
+            self.detector.reset()
+            self.set_state("watching", "")
+
+    def serve(self) -> http.server.ThreadingHTTPServer | None:
+        if not self.cfg["workers"]:
+            return None
+        sup = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, fmt: str, *args: Any) -> None:    # no access log (the token never shows)
+                pass
+
+            def do_POST(self) -> None:
+                auth = self.headers.get("Authorization", "")
+                if self.path != "/v1/sync" or not hmac.compare_digest(auth.encode(), f"Bearer {sup.token}".encode()):
+                    self.send_error(401 if self.path == "/v1/sync" else 404)
+                    return
+                try:
+                    n = int(self.headers.get("Content-Length") or 0)
+                    answer = sup.sync(json.loads(self.rfile.read(min(n, 1 << 20))))
+                except (ValueError, TypeError) as e:
+                    self.send_error(400, str(e)[:200])
+                    return
+                body = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        srv = http.server.ThreadingHTTPServer((self.cfg["listen"], self.cfg["port"]), Handler)
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, daemon=True, name="sync").start()
+        log(f"listening on {self.cfg['listen']}:{self.cfg['port']} for {', '.join(self.cfg['workers'])}")
+        return srv
+
+    def run(self) -> int:
+        self.serve()
+        log(f"supervising {self.cfg['deployment']} (install {self.cfg['install']}), state {self.state}")
+        self.save_state()
+        while not self.stopping.is_set():
+            try:
+                self.tick()
+            except Exception as e:  # noqa: BLE001 - the supervisor keeps going; Docker restarts it if it dies
+                log(f"tick failed: {type(e).__name__}: {e}")
+            self.stopping.wait(self.cfg["interval_s"])
+        return 0
+
+
+# ------------------------------------------------------------------------------------- a worker
+
+def agent(cfg: dict[str, Any], state_dir: str, engine: Engine, stopping: threading.Event) -> int:
+    token = read_file(os.path.join(state_dir, "token"))
+    mask = masker([token])
+    local = Local(cfg, engine)
+    done: dict[str, Any] | None = None
+    last_id = None
+    url = f"{cfg['head_url']}/v1/sync"
+    log(f"agent of {cfg['deployment']} on {cfg['host']}: reporting to {cfg['head_url']}")
+    while not stopping.is_set():
+        try:
+            v = local.view(mask)
+            report = {"host": cfg["host"], "container": v.container, "boot_id": v.boot_id, "mem_kib": v.mem_kib,
+                      "log_tail": v.log_tail, "done": done}
+            code, raw = _request(url, token, report, 10)
+            if code == 200:
+                order = json.loads(raw).get("order")
+                if order and order.get("id") != last_id:
+                    last_id = order["id"]
+                    try:
+                        log(local.do(order["verb"]))
+                        done = {"id": order["id"], "error": ""}
+                    except (OSError, ValueError) as e:
+                        done = {"id": order["id"], "error": str(e)}
+                        log(f"order {order['verb']} failed: {e}")
+                    continue         # report the result at once
+            else:
+                log(f"the supervisor answered HTTP {code}")
+        except Exception as e:  # noqa: BLE001 - the head may be down: keep reporting, never act alone
+            log(f"report failed: {type(e).__name__}: {e}")
+        stopping.wait(REPORT_EVERY_S)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: supervise CONFIG.json", file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    state_dir = os.path.dirname(os.path.abspath(argv[0]))
+    engine = Engine(cfg.get("socket") or SOCKET)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stopping.set())
+    if cfg["role"] == "head":
+        sup = Supervisor(cfg, state_dir, engine)
+        sup.stopping = stopping
+        return sup.run()
+    return agent(cfg, state_dir, engine, stopping)

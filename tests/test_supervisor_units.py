@@ -1,0 +1,104 @@
+"""The supervisor's decisions and configuration, without a cluster (orchestrator/hostside/supervisor.py,
+orchestrator/launch/supervision.py). The cluster tests are tests/test_supervisor.py and the TP=2 test of
+tests/test_real_vllm.py."""
+from __future__ import annotations
+
+import json
+import struct
+
+from orchestrator.hostside import supervisor as S
+
+CFG = {"deployment": "d", "mem_floor_kib": 2 * S.GiB_KIB, "mem_sustain_s": 30, "health_failures": 3,
+       "api": {"url": "http://h:8000"}, "wedge": {"max_tokens": 4, "timeout_s": 60}}
+
+
+def rank(host, status="running", finished="", exit_code=0, mem=8 * S.GiB_KIB, boot="b-" + "0" * 30):
+    c = {"id": host + "-id", "name": f"deployctl-d-{host}", "status": status, "exit_code": exit_code,
+         "oom_killed": False, "error": "", "finished_at": finished}
+    return S.RankView(host, c, boot, mem)
+
+
+def test_the_first_rank_to_stop_is_the_cause():
+    d = S.Detector(CFG)
+    ranks = {"h1": rank("h1", "exited", "2026-12-04T04:00:05.1Z", 1), "h2": rank("h2", "exited", "2026-12-04T04:00:03.9Z", 137)}
+    f = d.observe(ranks, None, None, 0)
+    assert f.kind == "rank-exited" and f.evidence["host"] == "h2" and f.act
+    assert "exit code 137 (SIGKILL)" in f.summary and "then h1" in f.summary
+    assert f.evidence["also_stopped"] == ["h1"]
+
+
+def test_a_removed_rank_is_not_restarted():
+    ranks = {"h1": rank("h1"), "h2": S.RankView("h2", None)}
+    f = S.Detector(CFG).observe(ranks, (True, "HTTP 200"), None, 0)
+    assert f.kind == "rank-missing" and not f.act
+
+
+def test_a_changed_boot_id_is_a_reboot():
+    d = S.Detector(CFG)
+    assert d.observe({"h1": rank("h1", boot="a" * 36)}, (True, ""), None, 0) is None
+    f = d.observe({"h1": rank("h1", boot="b" * 36)}, (True, ""), None, 1)
+    assert f.kind == "node-rebooted" and f.evidence["boot_id_before"] == "a" * 36
+    assert d.observe({"h1": rank("h1", boot="b" * 36)}, (True, ""), None, 2) is None, "reported once"
+
+
+def test_low_memory_counts_only_when_it_lasts():
+    d = S.Detector(CFG)
+    low = {"h1": rank("h1", mem=S.GiB_KIB)}
+    assert d.observe(low, (True, ""), None, 100) is None
+    assert d.observe(low, (True, ""), None, 129) is None
+    assert d.observe({"h1": rank("h1")}, (True, ""), None, 130) is None, "recovered: the clock restarts"
+    assert d.observe(low, (True, ""), None, 131) is None
+    f = d.observe(low, (True, ""), None, 161)
+    assert f.kind == "memory-low" and f.evidence["mem_available_kib"] == S.GiB_KIB
+
+
+def test_health_must_fail_in_a_row_and_a_wedge_is_health_without_answers():
+    d = S.Detector(CFG)
+    r = {"h1": rank("h1")}
+    assert d.observe(r, (False, "HTTP 503"), None, 0) is None
+    assert d.observe(r, (False, "HTTP 503"), None, 1) is None
+    assert d.observe(r, (True, "HTTP 200"), None, 2) is None, "an answer resets the count"
+    for t in (3, 4):
+        assert d.observe(r, (False, "timeout"), None, t) is None
+    assert d.observe(r, (False, "timeout"), None, 5).kind == "health-failing"
+    d.reset()
+    f = d.observe(r, (True, "HTTP 200"), (False, "TimeoutError after 60.0s"), 6)
+    assert f.kind == "wedge" and "did not finish within 60s" in f.summary
+    f = d.observe(r, (True, "HTTP 200"), (False, 'HTTP 500: {"error": "EngineDeadError"}'), 7)
+    assert f.kind == "serving-errors" and "EngineDeadError" in f.summary, "an answer with an error is not a wedge"
+
+
+def test_secrets_are_masked_in_kept_lines():
+    mask = S.masker(["sk-very-secret-value", "tok3n-abcdef"])
+    assert mask("serve --api-key sk-very-secret-value --port 8000") == "serve --api-key *** --port 8000"
+    assert mask("Authorization: Bearer tok3n-abcdef") == "Authorization: Bearer ***"
+    assert mask("HF_TOKEN=hf_abcdefghijk") == "HF_TOKEN=***"
+    assert mask("Loading weights took 3.1 s") == "Loading weights took 3.1 s"
+
+
+def test_docker_log_frames_are_demultiplexed():
+    raw = b"".join(struct.pack(">BxxxI", s, len(t)) + t for s, t in ((1, b"out line\n"), (2, b"err line\n")))
+    assert S.demux(raw) == b"out line\nerr line\n"
+    assert S.demux(b"a tty log\n") == b"a tty log\n"
+
+
+def test_every_host_gets_one_install_and_no_secret(tmp_path):
+    from orchestrator.launch import supervision
+    from tests.test_exposure_units import _dep
+    dep = _dep(tmp_path)
+    cfgs = supervision.configs(dep)
+    assert set(cfgs) == {h.name for h in dep.cluster.hosts}
+    assert len({c["install"] for c in cfgs.values()}) == 1
+    head = cfgs[dep.cluster.head]
+    assert head["role"] == "head" and head["listen"] == dep.cluster.head_host.address
+    assert head["workers"] == [h.name for h in dep.cluster.workers]
+    from orchestrator.launch.containerspec import start_sequence
+    assert head["order"] == [list(g) for g in start_sequence(dep)], "the group starts as `up` starts it"
+    assert sorted(n for g in head["order"] for n in g) == sorted(cfgs)
+    for h in dep.cluster.workers:
+        assert cfgs[h.name]["head_url"] == f"http://{dep.cluster.head_host.address}:{dep.recipe.supervise.port}"
+    text = json.dumps(cfgs)
+    assert "token" not in text.replace("max_tokens", ""), "the token travels in its own 0600 file"
+    argv = supervision.run_argv(dep, dep.cluster.head_host, head["install"])
+    assert argv[argv.index("--restart") + 1] == "unless-stopped" and "--network" in argv
+    assert f"{supervision.LABEL}={dep.name}" in argv
