@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 import urllib.error
@@ -314,6 +315,30 @@ def supervised_restart(cluster, inv: Path, deployment: str, hosts, port: int) ->
     assert greedy_ids(head, port) == FOUND["tp2_ids"], "the restarted group serves what it served"
     print(f"\n[real vLLM TP=2] worker rank killed -> serving again in {FOUND['tp2_supervised_recovery_s']:.1f}s "
           f"(incident {inc['id']}: {inc['summary']}; recovery {inc['recovery_s']}s)")
+
+    # A wedge: the head's engine core stopped (SIGSTOP). The real API server still answers /health
+    # (vLLM's check_health only asks whether the engine core has died) but no completion finishes:
+    # the completion probe (every 3 s here, 8 s bound) finds it, and the group is restarted.
+    p = up(inv, "--set", "supervise.wedge_interval_s=3", "--set", "supervise.wedge_timeout_s=8")
+    assert p.returncode == 0, out(p)
+    (hcid,) = containers(cluster, head.name, deployment)
+    top = _docker(head.docker_host, "top", hcid, "-eo", "pid,comm").stdout.splitlines()[1:]
+    (core,) = [int(ln.split()[0]) for ln in top if ln.split()[1].startswith("VLLM::EngineCor")]
+    t0 = time.monotonic()
+    os.kill(core, signal.SIGSTOP)
+    assert api_at(head, port, "/health")[0] == 200, "the wedge: /health answers"
+    inc = None
+    while time.monotonic() - t0 < 300 and inc is None:
+        time.sleep(2)
+        items = json.loads(dctl("incidents", "-i", str(inv), "--json").stdout)["incidents"][len(before) + 1:]
+        inc = items[0] if items and items[0]["outcome"] != "open" else None
+    assert inc is not None, "no wedge incident within 300 s"
+    FOUND["tp2_wedge_recovery_s"] = time.monotonic() - t0
+    assert inc["kind"] == "wedge" and inc["outcome"] == "recovered", json.dumps(inc, indent=1)[-6000:]
+    assert "did not finish within 8s" in inc["summary"], inc["summary"]
+    assert greedy_ids(head, port) == FOUND["tp2_ids"], "the restarted group serves what it served"
+    print(f"[real vLLM TP=2] engine core SIGSTOPped -> serving again in {FOUND['tp2_wedge_recovery_s']:.1f}s "
+          f"(incident {inc['id']}; recovery {inc['recovery_s']}s)")
 
 
 def _forget_releases(cluster, inv: Path) -> None:
