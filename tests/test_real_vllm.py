@@ -50,6 +50,14 @@ FOUND: dict[str, object] = {}         # what one test measured and a later one c
 
 # ------------------------------------------------------------------------------------------ fixtures
 
+@pytest.fixture(scope="module", autouse=True)
+def leave_nothing(cluster):
+    """A failed test leaves no engine or supervisor of this module running for the next modules."""
+    yield
+    for d in ("rv2", "rv1", "rv4", "rvs", "dv1", "dv4"):
+        remove_all(cluster, d)
+
+
 @pytest.fixture(scope="module")
 def vllm_image(cluster, tmp_path_factory) -> str:
     from tests.real_engine import preload_head

@@ -10,12 +10,18 @@ import time
 
 import pytest
 
-from tests.test_launch import _docker, containers, dctl, double_image, out  # noqa: F401
+from tests.test_launch import _docker, containers, dctl, double_image, out, remove_all  # noqa: F401
 from tests.test_real_vllm import DOUBLE_IMAGE, SERVED, _forget_releases, api_at, hub, inventory, up  # noqa: F401
 
 pytestmark = pytest.mark.cluster
 DEP, PORT, MASTER = "sv2", 18120, 29620
 SUP = "deployctl.supervisor"
+
+
+@pytest.fixture(autouse=True)
+def leave_nothing(cluster):
+    yield
+    remove_all(cluster, DEP)
 
 
 def supervisors(cluster, host, deployment: str = DEP) -> list[dict]:

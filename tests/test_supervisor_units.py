@@ -4,6 +4,7 @@ tests/test_real_vllm.py."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 from orchestrator.hostside import supervisor as S
@@ -25,6 +26,25 @@ def test_the_first_rank_to_stop_is_the_cause():
     assert f.kind == "rank-exited" and f.evidence["host"] == "h2" and f.act
     assert "exit code 137 (SIGKILL)" in f.summary and "then h1" in f.summary
     assert f.evidence["also_stopped"] == ["h1"]
+
+
+def test_the_rank_whose_own_process_died_is_the_cause_even_when_the_head_stopped_first():
+    """The released vLLM over two nodes (seen in CI): SIGKILL of the worker's VLLM::Worker_TP1; the head
+    exits at 15.7 s, the worker's main process logs the death and exits at 16.3 s."""
+    from orchestrator.launch import diagnosis
+    cfg = {**CFG, "origin": [p.pattern for p in diagnosis.ORIGIN]}
+    head = rank("h1", "exited", "2026-12-04T04:53:15.702262654Z", 0)
+    head.log_tail = ["(APIServer pid=1) INFO 12-04 04:53:15 [core_client.py:770] [shutdown] MPClient: start timeout=0s"]
+    worker = rank("h2", "exited", "2026-12-04T04:53:16.338201222Z", 0)
+    worker.log_tail = ["(MainProcess pid=1) ERROR 12-04 04:53:14 [multiproc_executor.py:315] Worker proc VllmWorker-1 "
+                       "died unexpectedly (exit code: None), shutting down executor."]
+    f = S.Detector(cfg).observe({"h1": head, "h2": worker}, None, None, 0)
+    assert f.evidence["host"] == "h2" and "then h1" in f.summary
+    assert S.Detector(CFG).observe({"h1": head, "h2": worker}, None, None, 0).evidence["host"] == "h1", \
+        "without the pattern: the first to stop"
+    rows = [{"host": r.host, "rank": i, "containers": [{**r.container, "finished_at": float(i), "log_tail": r.log_tail}]}
+            for i, r in enumerate((head, worker))]
+    assert diagnosis.first_failure(rows)["host"] == "h2", "status names it the same way"
 
 
 def test_a_removed_rank_is_not_restarted():
@@ -91,6 +111,7 @@ def test_every_host_gets_one_install_and_no_secret(tmp_path):
     assert len({c["install"] for c in cfgs.values()}) == 1
     head = cfgs[dep.cluster.head]
     assert head["role"] == "head" and head["listen"] == dep.cluster.head_host.address
+    assert head["origin"] and all(re.compile(p) for p in head["origin"]), "vLLM's own death line (diagnosis.ORIGIN)"
     assert head["workers"] == [h.name for h in dep.cluster.workers]
     from orchestrator.launch.containerspec import start_sequence
     assert head["order"] == [list(g) for g in start_sequence(dep)], "the group starts as `up` starts it"

@@ -186,8 +186,12 @@ class Detector:
                 return Finding("rank-missing", f"{name}: no container of {cfg['deployment']} (removed by "
                                                "someone): not restarting", {"host": name}, act=False)
         stopped = [n for n, r in ranks.items() if not r.running]
-        if stopped:       # the first to stop is the cause; the others followed it (RFC 3339 UTC times sort)
-            name = min(stopped, key=lambda n: (ranks[n].container or {}).get("finished_at") or "~")
+        if stopped:
+            # the cause: a rank whose own log says its process died (cfg "origin": diagnosis.ORIGIN),
+            # else the first to stop (RFC 3339 UTC times sort); the others followed it
+            origin = [re.compile(p) for p in cfg.get("origin") or ()]
+            name = min(stopped, key=lambda n: (not any(p.search(x) for p in origin for x in ranks[n].log_tail),
+                                               (ranks[n].container or {}).get("finished_at") or "~"))
             r = ranks[name]
             return Finding("rank-exited", f"{name}: {r.container.get('name')} {exit_text(r.container)}"
                            + (f" (then {', '.join(n for n in stopped if n != name)})" if len(stopped) > 1 else ""),

@@ -27,6 +27,11 @@ CAUSES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\b(OutOfMemoryError|MemoryError)\b:?\s*(.*)"), "out of memory: {0} {1}"),
     (re.compile(r"\bEngineDeadError\b:?\s*(.*)"), "its engine core died (EngineDeadError)"),
 )
+# A rank whose own log says one of these died by itself; the ranks that stopped because of it say
+# something else (the head: Connection closed by peer, EngineDeadError). Over two nodes the head can
+# exit a second before the rank that died (vLLM's headless main process takes that long to notice):
+# the order of the stops alone would blame the head.
+ORIGIN = (CAUSES[0][0],)
 ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?([A-Z]\w*(?:Error|Exception)): (.+)$")
 PREFIX = re.compile(r"^\((?:[\w:]+) pid=\d+\)\s+(?:[A-Z]+\s+\d\d-\d\d \d\d:\d\d:\d\d\s+\[[^\]]+\]\s+)?")
 
@@ -50,6 +55,11 @@ def cause(tail: list[str]) -> str:
     return f'{errors[0].group(1)}: {errors[0].group(2)[:200]}' if errors else ""
 
 
+def is_origin(tail: list[str]) -> bool:
+    """The tail says this rank's own process died (ORIGIN)."""
+    return any(p.search(line) for p in ORIGIN for line in tail)
+
+
 def how(c: dict[str, Any]) -> str:
     """How a stopped container ended: its exit code and what it means."""
     if c.get("oom_killed"):
@@ -69,7 +79,7 @@ def first_failure(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
                 stopped.append((c.get("finished_at") or float("inf"), row, c))
     if not stopped:
         return None
-    stopped.sort(key=lambda x: x[0])
+    stopped.sort(key=lambda x: (not is_origin(x[2].get("log_tail") or []), x[0]))
     at, row, c = stopped[0]
     tail = c.get("log_tail") or []
     running = [r["host"] for r in rows if any(x["status"] == "running" for x in r.get("containers") or [])]

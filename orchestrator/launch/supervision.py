@@ -29,6 +29,7 @@ from ..hostside import bundle
 from ..outcomes import HostFailure, parallel
 from ..paths import LOCK_DIR, lock_path
 from .containerspec import STOP_TIMEOUT_S, start_sequence
+from .diagnosis import ORIGIN
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
@@ -40,14 +41,16 @@ INSTALL_LABEL = "deployctl.supervisor.install"
 MOUNT = "/run/deployctl"
 GIB_KIB = 1024 * 1024
 TIMEOUT_S = 60.0
-# $1 dir, $2 the zipapp's name (its digest in it); stdin: the zipapp in base64. Older zipapps removed.
-ZIPAPP_SH = ('umask 077 && mkdir -p "$1" && base64 -d > "$1/$2.tmp" && mv -f "$1/$2.tmp" "$1/$2" && '
-             'for f in "$1"/deployctl-tables-*.pyz; do [ "$f" = "$1/$2" ] || rm -f "$f"; done')
-# $1 dir, $2 config JSON; stdin: the token, a newline, the serving API key (head) or nothing
-FILES_SH = ('umask 077 && { IFS= read -r t; IFS= read -r k || true; } && printf %s "$t" > "$1/token.tmp" && '
-            'if [ -n "$k" ]; then printf %s "$k" > "$1/api_key.tmp" && mv -f "$1/api_key.tmp" "$1/api_key"; '
-            'else rm -f "$1/api_key"; fi && printf %s "$2" > "$1/config.json.tmp" && '
-            'mv -f "$1/token.tmp" "$1/token" && mv -f "$1/config.json.tmp" "$1/config.json"')
+# One round trip per host. $1 dir, $2 the zipapp's name (its digest in it), $3 config JSON, $4...: the
+# `docker run` argv (printed: the container ID). stdin: the token, a newline, the serving API key (head)
+# or nothing, a newline, then the zipapp in base64 (read(1) takes its lines byte by byte: base64 gets
+# the rest). Files are written beside their names and moved; older zipapps removed.
+INSTALL_SH = ('umask 077 && mkdir -p "$1" && IFS= read -r t && IFS= read -r k && '
+              'base64 -d > "$1/$2.tmp" && printf %s "$t" > "$1/token.tmp" && printf %s "$3" > "$1/config.json.tmp" && '
+              'if [ -n "$k" ]; then printf %s "$k" > "$1/api_key.tmp" && mv -f "$1/api_key.tmp" "$1/api_key"; '
+              'else rm -f "$1/api_key"; fi && mv -f "$1/$2.tmp" "$1/$2" && mv -f "$1/token.tmp" "$1/token" && '
+              'mv -f "$1/config.json.tmp" "$1/config.json" && '
+              'for f in "$1"/deployctl-tables-*.pyz; do [ "$f" = "$1/$2" ] || rm -f "$f"; done && shift 3 && exec "$@"')
 # $1 the state dir: state.json, then each incident (newest last), one JSON document per line
 READ_SH = ('[ -d "$1" ] || exit 4; python3 -c \'import json,os,sys; d=sys.argv[1]\n'
            'def rd(p):\n try: return json.load(open(p))\n except (OSError, ValueError): return None\n'
@@ -82,6 +85,7 @@ def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
     seq = [list(g) for g in start_sequence(dep)]
     common = {"deployment": dep.name, "stop_timeout_s": STOP_TIMEOUT_S, "socket": f"{MOUNT}/docker.sock",
               "silent_s": s.silent_s}
+    origin = [p.pattern for p in ORIGIN]      # the lines by which a rank says its own process died
     head_cfg = {**common, "role": "head", "host": head.name, "workers": workers,
                 "listen": head.address, "port": s.port,
                 "api": {"url": dep.api_url, "served_name": e.served_name, "health_timeout_s": 10.0,
@@ -95,7 +99,7 @@ def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
                 "backoff_max_s": s.backoff_max_s, "keep_incidents": s.keep_incidents,
                 "startup_timeout_s": r.health.startup_timeout_s, "order": seq,
                 "wait_before_head_s": e.start_wait_s if seq and seq[-1] == [head.name] and len(seq) > 1 else 0.0,
-                "lock_file": f"{MOUNT}/lock/{PurePosixPath(lock_path(dep.name)).name}", "release_history": f"{MOUNT}/releases/{rel._slug(dep.name)}.json"}
+                "origin": origin, "lock_file": f"{MOUNT}/lock/{PurePosixPath(lock_path(dep.name)).name}", "release_history": f"{MOUNT}/releases/{rel._slug(dep.name)}.json"}
     out = {head.name: head_cfg}
     for h in c.workers:
         out[h.name] = {**common, "role": "worker", "host": h.name, "head_url": f"http://{_url_host(head.address)}:{s.port}"}
@@ -166,27 +170,24 @@ def install(dep: "Deployment", shells: "Shells") -> dict[str, str]:
 
     def one(n: str) -> str:
         sh = shells[n]
-        gone = remove(sh, dep)
+        gone = [a[0] for a in found.ok[n]]
+        if gone:      # a container left under the name would make docker run fail, naming it
+            sh.run(sh.docker("rm", "-f", *gone), timeout=TIMEOUT_S)
         d = state_dir(dep, sh.host)
-        r = sh.run(["sh", "-c", ZIPAPP_SH, "sh", d, bundle.file_name()], timeout=TIMEOUT_S, stdin=payload)
-        if r.rc == 0:
-            r = sh.run(["sh", "-c", FILES_SH, "sh", d, json.dumps(cfgs[n], indent=1)], timeout=TIMEOUT_S,
-                       stdin=f"{token}\n{key if n == dep.cluster.head else ''}\n")
+        r = sh.run(["sh", "-c", INSTALL_SH, "sh", d, bundle.file_name(), json.dumps(cfgs[n], indent=1),
+                    *run_argv(dep, sh.host, install_id)], timeout=TIMEOUT_S,
+                   stdin=f"{token}\n{key if n == dep.cluster.head else ''}\n{payload}\n")
         if r.rc != 0:
-            raise HostFailure(f"cannot write the supervisor's files under {state_dir(dep, sh.host)}: "
-                              f"{(r.stderr or r.stdout).strip()[-300:]}", rc=r.rc)
-        r = sh.run(run_argv(dep, sh.host, install_id), timeout=TIMEOUT_S)
-        if r.rc != 0:
-            raise HostFailure(f"docker run {container_name(dep)} failed (exit {r.rc}): "
-                              f"{(r.stderr or r.stdout).strip()[-300:]}", rc=r.rc)
+            raise HostFailure(f"supervisor not started on {n} (its files under {d}, then docker run "
+                              f"{container_name(dep)}): exit {r.rc}: {(r.stderr or r.stdout).strip()[-300:]}", rc=r.rc)
         role = "supervisor" if n == dep.cluster.head else "agent"
         return (f"{role} {install_id} started ({r.stdout.strip()[:12]}, --restart unless-stopped)"
                 + (f", replaced {', '.join(i[:12] for i in gone)}" if gone else ""))
-    # the workers' agents first: the head's supervisor waits for their first reports anyway
-    done = parallel([n for n in names if n != dep.cluster.head], one)
+    # all at once: the head's supervisor waits for every worker's first report before it judges
+    done = parallel(names, one)
     if done.failed:
         raise HostFailure("; ".join(f"{n}: {e}" for n, e in done.failed.items()))
-    return {**done.ok, dep.cluster.head: one(dep.cluster.head)}
+    return done.ok
 
 
 def read(dep: "Deployment", sh: "HostShell") -> dict[str, Any] | None:
