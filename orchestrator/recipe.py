@@ -289,7 +289,7 @@ class SuperviseSpec:
     """The supervisor `up` installs (orchestrator/hostside/supervisor.py, docs/supervisor.md): what it
     watches and how often it restarts the group before it gives up."""
     enabled: bool = True
-    port: int = 8790                     # the head's control endpoint for the workers' agents (multi-node)
+    port: int = 8790                     # the head's supervisor: the workers' agents report here; /metrics
     interval_s: float = 2.0              # one look at every rank and the API
     health_failures: int = 3             # /health failing this many looks in a row: restart
     wedge_interval_s: float = 30.0       # a small real completion this often while /health answers ...

@@ -52,6 +52,10 @@ def test_scope_reach_and_concern():
     assert by[("127.0.0.1", 35555)].scope == "loopback" and not by[("127.0.0.1", 35555)].concern
     mgmt = by[("10.213.215.11", 2222)]
     assert mgmt.scope == "management" and mgmt.concern
+    sup = E.classify(E.Socket("tcp", "10.213.215.11", 8790, "python3", 1), HOST, addrs, api_port=18110, served=(8790,))
+    assert sup.scope == "management" and not sup.concern, "the supervisor's port is meant for the management network"
+    assert E.classify(E.Socket("tcp", "0.0.0.0", 8790, "python3", 1), HOST, addrs, api_port=18110,
+                      served=(8790,)).concern, "... bound to it, not to every interface"
     # on a worker no port is the API: its wildcard listeners are all internal
     assert E.classify(E.parse_ss(SS)[0], HOST, addrs, api_port=-1).concern
 
@@ -160,12 +164,20 @@ def test_the_rendezvous_store_is_confined_to_the_fabric_and_the_api_to_api_allow
     assert f"--dport {dep.api_port} -s 203.0.113.0/24 -j RETURN" in rs.v4
     assert f"--dport {dep.api_port} -j REJECT" in rs.v4 and f"--dport {dep.api_port} -j RETURN" not in rs.v4
     assert F.ruleset(_dep(tmp_path, "    firewall: none\n"), head).empty
+    dep = _dep(tmp_path, "    metrics_allow: [198.51.100.7]\n")         # the Prometheus host
+    v4 = F.ruleset(dep, dep.cluster.hosts[0]).v4.splitlines()
+    assert [ln for ln in v4 if f"--dport {sup} " in ln] == [
+        *(f"-A {ch} -p tcp --dport {sup} -s {h.address} -j RETURN" for h in dep.cluster.hosts),
+        f"-A {ch} -p tcp --dport {sup} -s 198.51.100.7/32 -j RETURN",
+        f"-A {ch} -p tcp --dport {sup} -j REJECT --reject-with tcp-reset"], "the supervisor's port: + metrics_allow"
+    assert "198.51.100.7" not in "".join(ln for ln in v4 if f"--dport {sup} " not in ln), "nothing else"
 
     p, doc = _plan(tmp_path)
     head_act = next(a for s in doc["stages"] if s["name"] == "launch" for a in s["actions"] if a["host"] == "s1")
     assert head_act["details"]["firewall"]["chain"].startswith("DCTL-") and "firewall: tcp" in head_act["summary"]
     for extra, key in (("    api_allow: [not-an-address]\n", "all.vars.api_allow[0]"),
                        ("    api_allow: 10.0.0.1\n", "all.vars.api_allow"),
+                       ("    metrics_allow: [10.0.0.300]\n", "all.vars.metrics_allow[0]"),
                        ("    firewall: off\n", "all.vars.firewall")):
         p, _ = _plan(tmp_path, extra)
         assert p.returncode == 2 and key in p.stderr, (extra, p.stderr)

@@ -123,3 +123,49 @@ def test_every_host_gets_one_install_and_no_secret(tmp_path):
     argv = supervision.run_argv(dep, dep.cluster.head_host, head["install"])
     assert argv[argv.index("--restart") + 1] == "unless-stopped" and "--network" in argv
     assert f"{supervision.LABEL}={dep.name}" in argv
+
+
+def test_metrics_are_prometheus_text_that_promtool_accepts(tmp_path):
+    """GET /metrics (Supervisor.metrics): one sample per rank and kind, labels escaped, counters kept per
+    install across a restart of the supervisor, and Prometheus' own linter (promtool check metrics) passes."""
+    import shutil
+    import subprocess
+    hist = tmp_path / "releases.json"
+    hist.write_text(json.dumps({"releases": [{"number": 3, "time": 1764800000.5, "command": "up"}]}))
+    cfg = {**CFG, "install": "i1", "host": "h1", "workers": ["h2"], "ranks": {"h1": 0, "h2": 1},
+           "release_history": str(hist), "keep_incidents": 5}
+
+    def sup():
+        s = S.Supervisor(cfg, str(tmp_path), engine=None)
+        s.local.view = lambda mask: S.RankView("h1", rank("h1").container, "b", 3 * S.GiB_KIB, 0.0, [], 10 ** 12)
+        return s
+    s = sup()
+    s.sync({"host": "h2", "container": rank("h2", "exited", exit_code=137).container, "boot_id": "b",
+            "mem_kib": None, "log_tail": [], "disk_avail": 5 * 10 ** 11})
+    s.probe("health", (True, "HTTP 200"))
+    s.probe("completion", (False, 'timed out "quoted"\nline'))
+    s.restarts_total += 2
+    s.incident(S.Finding("rank-exited", 'h2 exited "137"', {"host": "h2"}, True), s.views())
+    text = s.metrics()
+    lines = [x for x in text.splitlines() if not x.startswith("#")]
+    assert 'deployctl_rank_running{deployment="d",host="h1",rank="0"} 1' in lines
+    assert 'deployctl_rank_running{deployment="d",host="h2",rank="1"} 0' in lines
+    assert 'deployctl_host_disk_avail_bytes{deployment="d",host="h2",rank="1"} 500000000000' in lines
+    assert 'deployctl_host_mem_available_bytes{deployment="d",host="h1",rank="0"} 3221225472' in lines
+    assert not [x for x in lines if x.startswith('deployctl_host_mem_available_bytes{deployment="d",host="h2"')], \
+        "an unknown figure is no sample, not 0"
+    assert 'deployctl_probe_ok{deployment="d",probe="completion"} 0' in lines
+    assert 'deployctl_supervisor_state{deployment="d",state="watching"} 1' in lines
+    assert 'deployctl_restarts_total{deployment="d"} 2' in lines
+    assert 'deployctl_incidents_total{deployment="d",kind="rank-exited"} 1' in lines
+    assert 'deployctl_incidents_total{deployment="d",kind="wedge"} 0' in lines
+    assert 'deployctl_release_number{deployment="d",command="up"} 3' in lines
+    promtool = shutil.which("promtool")
+    assert promtool, "Debian's prometheus (.ci/setup) provides promtool"
+    p = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    s.save_state()
+    again = sup().metrics()
+    assert 'deployctl_restarts_total{deployment="d"} 2' in again.splitlines()
+    cfg["install"] = "i2"                         # a new install starts its counters again
+    assert 'deployctl_restarts_total{deployment="d"} 0' in sup().metrics().splitlines()

@@ -48,12 +48,15 @@ from typing import Any, Callable
 from ..fsutil import atomic_write_text
 from .command_agent import drop_lock, take_lock
 from .host_read import EngineAPI
+from .metrics import CONTENT_TYPE, Family, render
 
 SOCKET = "/run/deployctl/docker.sock"    # the host's Docker socket, mounted here
 ENGINE_LABEL = "deployctl.deployment"     # the engines' label (launch/containers.py)
 LOG_TAIL = 30
 REPORT_EVERY_S = 1.0
 API_KINDS = ("health-failing", "wedge", "serving-errors")
+KINDS = ("rank-exited", "rank-missing", "node-rebooted", "memory-low", *API_KINDS)    # what an incident can be
+STATES = ("watching", "recovering", "degraded", "paused", "waiting", "failed")
 GiB_KIB = 1024 * 1024
 
 
@@ -120,6 +123,7 @@ class RankView:
     mem_kib: int | None = None
     age_s: float = 0.0                  # since the report (0 for the head's own rank)
     log_tail: list[str] = field(default_factory=list)
+    disk_avail: int | None = None       # bytes free where the state folder is (the host's NVMe folder)
 
     @property
     def running(self) -> bool:
@@ -280,6 +284,14 @@ def mem_available_kib() -> int | None:
     return None
 
 
+def disk_avail(path: str) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def masker(secrets: list[str]) -> Callable[[str], str]:
     """Secrets out of every line kept: the serving key's value and `--api-key X`-like arguments."""
     pat = re.compile(r"(?i)((?:api[-_]?key|token|secret|password)[\"']?\s*[=:]?\s*[\"']?)([^\s\"',]{6,})")
@@ -307,7 +319,8 @@ class Local:
     def view(self, mask: Callable[[str], str]) -> RankView:
         c = self.container()
         tail = [mask(x) for x in self.engine.logs_tail(c["id"])] if c and c["status"] != "running" else []
-        return RankView(self.cfg["host"], c, read_file(self.boot_id_file), mem_available_kib(), 0.0, tail)
+        return RankView(self.cfg["host"], c, read_file(self.boot_id_file), mem_available_kib(), 0.0, tail,
+                        disk_avail(self.cfg.get("disk_path") or "/state"))
 
     def do(self, verb: str) -> str:
         c = self.container()
@@ -342,13 +355,16 @@ class Supervisor:
         self.lock = threading.Lock()
         self.next_order = int(time.time() * 1000)
         saved = self.load_state()
+        same = saved.get("install") == cfg["install"]      # what a previous process of this install kept
         self.restarts: list[float] = [t for t in saved.get("restarts", []) if isinstance(t, (int, float))]
-        cfg = dict(cfg, boot_ids=saved.get("boot_ids") or {}) if saved.get("install") == cfg["install"] else cfg
-        self.detector = Detector(cfg)
-        self.state = saved.get("state", "watching") if saved.get("install") == self.cfg["install"] else "watching"
+        self.detector = Detector(dict(cfg, boot_ids=saved.get("boot_ids") or {}) if same else cfg)
+        self.state = saved.get("state", "watching") if same else "watching"
         self.detail = saved.get("detail", "") if self.state == "failed" else ""
-        self.last_incident = saved.get("last_incident") if saved.get("install") == self.cfg["install"] else None
+        self.last_incident = saved.get("last_incident") if same else None
         self.failed_ids: list[str] = saved.get("failed_ids", []) if self.state == "failed" else []
+        self.restarts_total = int(saved.get("restarts_total", 0)) if same else 0       # counters: per install
+        self.incident_counts: dict[str, int] = dict(saved.get("incident_counts") or {}) if same else {}
+        self.probes: dict[str, tuple[bool, float]] = {}                                 # probe -> (ok, when)
         self.last_wedge = 0.0
         self.stopping = threading.Event()
 
@@ -363,7 +379,8 @@ class Supervisor:
         doc = {"deployment": self.cfg["deployment"], "install": self.cfg["install"], "state": self.state,
                "detail": self.detail, "since": time.time(), "restarts": self.restarts[-50:],
                "boot_ids": self.detector.boot_ids, "last_incident": self.last_incident, "pid": os.getpid(),
-               "failed_ids": self.failed_ids,
+               "failed_ids": self.failed_ids, "restarts_total": self.restarts_total,
+               "incident_counts": self.incident_counts,
                "workers": {h: {"seen_s_ago": round(time.time() - t, 1)} for h, (t, _) in self.reports.items()}}
         atomic_write_text(os.path.join(self.dir, "state.json"), json.dumps(doc, indent=1) + "\n")
 
@@ -387,6 +404,7 @@ class Supervisor:
                "specs": {n: (r.container or {}).get("spec", "") for n, r in ranks.items()},
                "images": {n: (r.container or {}).get("image", "") for n, r in ranks.items()},
                "release": self.release(), "actions": [], "outcome": "open", "recovery_s": None}
+        self.incident_counts[f.kind] = self.incident_counts.get(f.kind, 0) + 1
         self.write_incident(inc)
         return inc
 
@@ -430,7 +448,7 @@ class Supervisor:
                 if r is None:
                     continue
                 out[h] = RankView(h, r.get("container"), r.get("boot_id", ""), r.get("mem_kib"), now - t,
-                                  r.get("log_tail") or [])
+                                  r.get("log_tail") or [], r.get("disk_avail"))
         return out
 
     def silent(self) -> list[str]:
@@ -481,11 +499,15 @@ class Supervisor:
                 return None
         return why
 
+    def probe(self, name: str, result: tuple[bool, str]) -> tuple[bool, str]:
+        self.probes[name] = (result[0], time.time())
+        return result
+
     def ready(self) -> tuple[bool, str]:
-        ok, detail = health(self.cfg["api"], self.key)
+        ok, detail = self.probe("health", health(self.cfg["api"], self.key))
         if not ok:
             return False, f"/health: {detail}"
-        return completion(self.cfg["api"], self.cfg["wedge"], self.key)
+        return self.probe("completion", completion(self.cfg["api"], self.cfg["wedge"], self.key))
 
     # -- recovery ----------------------------------------------------------------------------
     def recover(self, f: Finding, ranks: dict[str, RankView]) -> None:
@@ -525,6 +547,7 @@ class Supervisor:
         try:
             delay = 0.0 if not self.restarts else min(cfg["backoff_max_s"], cfg["backoff_s"] * 2 ** (len(self.restarts) - 1))
             self.restarts.append(now)
+            self.restarts_total += 1
             self.set_state("recovering", f"{f.kind}: restart {len(self.restarts)} of at most {cfg['max_restarts']} "
                                          f"in {cfg['window_s']:g}s")
             if delay:
@@ -614,11 +637,15 @@ class Supervisor:
             return
         if self.state == "paused" and ranks and all(r.container is None for r in ranks.values()):
             return          # nothing deployed any more (a down in progress): keep still
-        hc = health(cfg["api"], self.key) if all(r.running for r in ranks.values()) else None
+        if all(r.running for r in ranks.values()):
+            hc = self.probe("health", health(cfg["api"], self.key))
+        else:                           # the API cannot serve without every rank: /metrics says it is down
+            hc = None
+            self.probes["health"] = (False, time.time())
         wedge = None
         if hc and hc[0] and time.monotonic() - self.last_wedge >= cfg["wedge"]["interval_s"]:
             self.last_wedge = time.monotonic()
-            wedge = completion(cfg["api"], cfg["wedge"], self.key)
+            wedge = self.probe("completion", completion(cfg["api"], cfg["wedge"], self.key))
         f = self.detector.observe(ranks, hc, wedge, time.monotonic())
         if f is None:
             self.set_state("watching")
@@ -649,14 +676,68 @@ class Supervisor:
             self.detector.reset()
             self.set_state("watching", "")
 
+    # -- what Prometheus reads ----------------------------------------------------------------
+    def metrics(self) -> str:
+        """GET /metrics: what the supervisor knows, in Prometheus' text format (docs/monitoring.md)."""
+        cfg, dep = self.cfg, self.cfg["deployment"]
+        ranks = self.views()
+        rank_of = cfg.get("ranks") or {}
+        fam = [Family("deployctl_supervisor_info", "The supervisor of a deployment (1), by install digest")
+               .add(1, deployment=dep, host=cfg["host"], install=cfg["install"]),
+               Family("deployctl_supervisor_state", "1 for the supervisor's current state, 0 for the others")]
+        for s in STATES:
+            fam[1].add(self.state == s, deployment=dep, state=s)
+        ok, when = Family("deployctl_probe_ok", "1 when the supervisor's last probe passed (health: /health "
+                          "with every rank running; completion: a small completion)"), \
+            Family("deployctl_probe_timestamp_seconds", "When the probe last ran (Unix time)")
+        for name, (passed, t) in sorted(self.probes.items()):
+            ok.add(passed, deployment=dep, probe=name)
+            when.add(round(t, 3), deployment=dep, probe=name)
+        fam += [ok, when]
+        running = Family("deployctl_rank_running", "1 when the rank's engine container runs")
+        age = Family("deployctl_rank_report_age_seconds", "Since the host's agent last reported (0: the head)")
+        mem = Family("deployctl_host_mem_available_bytes", "MemAvailable of the host (/proc/meminfo)")
+        disk = Family("deployctl_host_disk_avail_bytes", "Free bytes on the filesystem of the host's nvme_dir")
+        for h, r in sorted(ranks.items()):
+            lab = {"deployment": dep, "host": h, "rank": rank_of.get(h, "")}
+            running.add(r.running, **lab)
+            age.add(round(r.age_s, 3), **lab)
+            mem.add(None if r.mem_kib is None else r.mem_kib * 1024, **lab)
+            disk.add(r.disk_avail, **lab)
+        fam += [running, age, mem, disk,
+                Family("deployctl_restarts_total", "Group restarts the supervisor began (this install)",
+                       "counter").add(self.restarts_total, deployment=dep)]
+        inc = Family("deployctl_incidents_total", "Incidents recorded (this install), by kind", "counter")
+        for kind in sorted(set(KINDS) | set(self.incident_counts)):
+            inc.add(self.incident_counts.get(kind, 0), deployment=dep, kind=kind)
+        fam.append(inc)
+        last = self.last_incident or {}
+        fam.append(Family("deployctl_last_incident_timestamp_seconds", "When the last incident began")
+                   .add(last.get("time"), deployment=dep, kind=last.get("kind", "")))
+        r = self.release() or {}
+        fam.append(Family("deployctl_release_number", "The deployment's current release (its history on the head)")
+                   .add(r.get("number"), deployment=dep, command=r.get("command", "")))
+        fam.append(Family("deployctl_release_timestamp_seconds", "When the current release was made")
+                   .add(r.get("time"), deployment=dep))
+        return render(fam)
+
     def serve(self) -> http.server.ThreadingHTTPServer | None:
-        if not self.cfg["workers"]:
-            return None
         sup = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, fmt: str, *args: Any) -> None:    # no access log (the token never shows)
                 pass
+
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] != "/metrics":
+                    self.send_error(404)
+                    return
+                body = sup.metrics().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def do_POST(self) -> None:
                 auth = self.headers.get("Authorization", "")
@@ -676,10 +757,17 @@ class Supervisor:
                 self.end_headers()
                 self.wfile.write(body)
 
-        srv = http.server.ThreadingHTTPServer((self.cfg["listen"], self.cfg["port"]), Handler)
+        try:
+            srv = http.server.ThreadingHTTPServer((self.cfg["listen"], self.cfg["port"]), Handler)
+        except OSError as e:
+            if self.cfg["workers"]:
+                raise               # the agents cannot report: Docker restarts this container
+            log(f"cannot listen on {self.cfg['listen']}:{self.cfg['port']} ({e}): no /metrics; supervising anyway")
+            return None
         srv.daemon_threads = True
         threading.Thread(target=srv.serve_forever, daemon=True, name="sync").start()
-        log(f"listening on {self.cfg['listen']}:{self.cfg['port']} for {', '.join(self.cfg['workers'])}")
+        log(f"listening on {self.cfg['listen']}:{self.cfg['port']} (/metrics"
+            + (f", the reports of {', '.join(self.cfg['workers'])})" if self.cfg["workers"] else ")"))
         return srv
 
     def run(self) -> int:
@@ -709,7 +797,7 @@ def agent(cfg: dict[str, Any], state_dir: str, engine: Engine, stopping: threadi
         try:
             v = local.view(mask)
             report = {"host": cfg["host"], "container": v.container, "boot_id": v.boot_id, "mem_kib": v.mem_kib,
-                      "log_tail": v.log_tail, "done": done}
+                      "disk_avail": v.disk_avail, "log_tail": v.log_tail, "done": done}
             code, raw = _request(url, token, report, 10)
             if code == 200:
                 order = json.loads(raw).get("order")

@@ -115,9 +115,11 @@ def parse_chain(text: str) -> list[Guard]:
 
 
 def classify(s: Socket, host, addresses: dict[str, str], api_port: int,
-             guards: list[Guard] | None = None, chain: str = "") -> Socket:
+             guards: list[Guard] | None = None, chain: str = "", served: tuple[int, ...] = ()) -> Socket:
     """Scope, who can reach it, and a concern when an internal port is reachable beyond the fabric
-    (GUARDED: the ports the deployment's firewall chain confines, and to whom)."""
+    (GUARDS: the ports the deployment's firewall chain confines, and to whom; SERVED: ports meant for
+    the management network when bound to its address: the supervisor's, token-guarded reports and a
+    read-only /metrics)."""
     mgmt, fabric_addr, fabric_iface = host.address, host.fabric_address, host.fabric_iface
     nets = [f"{a} ({i}{', management' if a == mgmt else ''}"
             f"{', fabric' if a == fabric_addr or (fabric_iface and i == fabric_iface) else ''})"
@@ -138,7 +140,8 @@ def classify(s: Socket, host, addresses: dict[str, str], api_port: int,
     if guard and scope != "loopback" and (s.address not in WILDCARDS or not guard.dest):
         reach = (f"only {', '.join(guard.sources) or 'this host'} and loopback (firewall chain {chain}; "
                  f"bound to {reach})")
-    elif s.port != api_port and scope in ("every interface", "management"):
+    elif s.port != api_port and scope in ("every interface", "management") and \
+            not (s.port in served and scope == "management"):
         concern = ("an internal port reachable from the management network (unauthenticated inter-node "
                    "traffic: bind it to the fabric or firewall it)")
     return Socket(**{**asdict(s), "scope": scope, "reachable_from": reach, "concern": concern})
@@ -167,7 +170,9 @@ def read_host(dep: Deployment, sh: HostShell) -> dict[str, Any]:
     addrs = parse_addresses(sh.run(list(ADDR_ARGV), timeout=TIMEOUT_S).stdout)
     chain = chain_name(dep.name)
     guards = parse_chain(read_chain(sh, chain))
-    api_port = dep.api_port if sh.host.name == dep.cluster.head else -1
+    head = sh.host.name == dep.cluster.head
+    api_port = dep.api_port if head else -1
+    served = (supervision.head_port(dep),) if head and supervision.head_port(dep) else ()
     seen, out = set(), []
     for s in parse_ss(ss.stdout):
         key = (s.proto, s.address, s.port)
@@ -175,7 +180,7 @@ def read_host(dep: Deployment, sh: HostShell) -> dict[str, Any]:
             continue
         seen.add(key)
         out.append(classify(Socket(**{**asdict(s), "container": pids[s.pid]}), sh.host, addrs, api_port,
-                            guards, chain))
+                            guards, chain, served))
     out.sort(key=lambda s: (s.proto, s.port, s.address))
     return {"containers": cs, "sockets": [asdict(s) for s in out],
             "firewall": {"chain": chain, "guards": [asdict(g) for g in guards]}}

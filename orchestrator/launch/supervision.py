@@ -72,8 +72,9 @@ def state_dir(dep: "Deployment", host: "Host") -> str:
 
 
 def head_port(dep: "Deployment") -> int | None:
-    """The head's control port when there are workers to hear (None: one host, nothing listens)."""
-    return dep.recipe.supervise.port if enabled(dep) and dep.cluster.workers else None
+    """The port the head's supervisor listens on (its /metrics; the workers' reports when there are
+    workers), on the head's management address; None: not supervised."""
+    return dep.recipe.supervise.port if enabled(dep) else None
 
 
 def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
@@ -87,6 +88,7 @@ def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
               "silent_s": s.silent_s}
     origin = [p.pattern for p in ORIGIN]      # the lines by which a rank says its own process died
     head_cfg = {**common, "role": "head", "host": head.name, "workers": workers,
+                "ranks": {h.name: h.rank for h in c.hosts},
                 "listen": head.address, "port": s.port,
                 "api": {"url": dep.api_url, "served_name": e.served_name, "health_timeout_s": 10.0,
                         "poll_s": 1.0, "key_id": dep.api_key.key_id if dep.api_key else None},

@@ -23,7 +23,8 @@ def plan(dep, options: RunOptions):
                 f"every rank and {dep.api_url} (/health every {s.interval_s:g}s, a {s.wedge_max_tokens}-token "
                 f"completion every {s.wedge_interval_s:g}s), restarts the group, at most {s.max_restarts} in "
                 f"{s.window_s:g}s; records incidents under {supervision.state_dir(dep, h)}/incidents"
-                + (f"; hears the workers' agents on {h.address}:{port}" if port else "")
+                + f"; serves /metrics on {h.address}:{port}"
+                + (", where it hears the workers' agents" if dep.cluster.workers else "")
                 if head else
                 f"agent container {supervision.container_name(dep)} (--restart unless-stopped): reports rank "
                 f"{h.rank} to the head's supervisor ({dep.cluster.head_host.address}:{port}) and carries out "
