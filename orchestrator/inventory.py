@@ -51,6 +51,9 @@ CLUSTER_KEYS = {
                   "0.0.0.0 or :: listens on every interface, the fabric included (said in the plan)",
     "api_allow": "the sources (addresses or networks) the API admits; default: whoever reaches api_listen. "
                  "Enforced by the deployment's firewall chain on the head: list the controller too",
+    "metrics_allow": "the sources (addresses or networks), besides the deployment's hosts, the head's supervisor "
+                     "port admits on a multi-node deployment: the Prometheus that scrapes its /metrics "
+                     "(docs/monitoring.md)",
     "firewall": "rules (default): the deployment's own iptables chain confines the ports the engine cannot "
                 "bind to the fabric (vLLM's rendezvous store) to the deployment's fabric addresses; none: no rule",
     "supervise": "true (default): `up` installs the deployment's supervisor, which restarts the group after a "
@@ -134,6 +137,7 @@ class Cluster:
     fabric_topology: str = "switch"      # switch | direct | mesh (orchestrator/fabric/topology.py)
     api_listen: str | None = None        # None: the head's management address (docs/exposure.md)
     api_allow: tuple[str, ...] | None = None   # None: no API rule; else the admitted sources
+    metrics_allow: tuple[str, ...] = ()  # who else may reach the head's supervisor port (Prometheus)
     firewall: str = "rules"              # rules | none (orchestrator/launch/firewall.py)
     supervise: bool = True               # orchestrator/launch/supervision.py
 
@@ -254,18 +258,8 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     if api_listen is not None and not _listen_address(api_listen):
         raise err(f"expected an IP address on the head (or 0.0.0.0 / :: for every interface) or its host "
                   f"name, got {api_listen!r}", "all.vars.api_listen")
-    api_allow = cvars.get("api_allow")
-    if api_allow is not None:
-        if not isinstance(api_allow, list) or not api_allow:
-            raise err(f"expected a list of addresses or networks (10.0.0.5, 10.0.0.0/24), got {api_allow!r}",
-                      "all.vars.api_allow")
-        for i, src in enumerate(api_allow):
-            try:
-                ipaddress.ip_network(str(src), strict=False)
-            except ValueError:
-                raise err(f"expected an address or a network such as 10.0.0.0/24, got {src!r}",
-                          f"all.vars.api_allow[{i}]") from None
-        api_allow = tuple(str(ipaddress.ip_network(str(x), strict=False)) for x in api_allow)
+    api_allow = _sources(cvars, "api_allow", err)
+    metrics_allow = _sources(cvars, "metrics_allow", err) or ()
     firewall = cvars.get("firewall", "rules")
     if firewall not in ("rules", "none"):
         raise err(f"expected rules or none, got {firewall!r}", "all.vars.firewall")
@@ -319,9 +313,26 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         fabric_topology=topology,
         api_listen=api_listen,
         api_allow=api_allow,
+        metrics_allow=metrics_allow,
         firewall=firewall,
         supervise=supervise,
     )
+
+
+def _sources(cvars: dict, key: str, err) -> tuple[str, ...] | None:
+    """all.vars.KEY: a list of addresses or networks, normalised (None when absent)."""
+    v = cvars.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v:
+        raise err(f"expected a list of addresses or networks (10.0.0.5, 10.0.0.0/24), got {v!r}", f"all.vars.{key}")
+    for i, src in enumerate(v):
+        try:
+            ipaddress.ip_network(str(src), strict=False)
+        except ValueError:
+            raise err(f"expected an address or a network such as 10.0.0.0/24, got {src!r}",
+                      f"all.vars.{key}[{i}]") from None
+    return tuple(str(ipaddress.ip_network(str(x), strict=False)) for x in v)
 
 
 def _listen_address(v: Any) -> bool:

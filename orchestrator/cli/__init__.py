@@ -28,6 +28,7 @@ COMMANDS = {
     "history": ("release_cmd", "history_command"),
     "rollback": ("release_cmd", "rollback_command"),
     "bench": ("bench_cmd", "bench_command"),
+    "monitor": ("monitor_cmd", "group"),
 }
 
 

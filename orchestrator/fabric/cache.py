@@ -63,6 +63,15 @@ def load(root: str, deployment: str, key: str, max_age_s: float) -> FabricReport
         return None
 
 
+def last(root: str, deployment: str) -> dict[str, Any] | None:
+    """The last passing check's raw record ({"fingerprint", "at", "report"}), whatever its age (monitor)."""
+    try:
+        doc = json.loads(_path(root, deployment).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("report"), dict) else None
+
+
 def _throughput(t: dict[str, Any] | None) -> Throughput | None:
     return Throughput(t["gbps"], t["retransmits"], t["error"]) if t else None
 

@@ -17,7 +17,9 @@ IPv6) and one jump to it at the top of INPUT, commented `deployctl <deployment>`
   host accepts a packet for any of its addresses on any link, so a machine on the management
   network that routes to the fabric address reaches them;
 - the API port, only when the inventory lists `api_allow`: RETURN for those sources, REJECT the
-  rest; without api_allow the chain RETURNs the API port before anything else.
+  rest; without api_allow the chain RETURNs the API port before anything else;
+- the head's supervisor port (workers' reports, its /metrics): RETURN for the deployment's
+  management addresses and `metrics_allow` (the Prometheus host), REJECT the rest.
 
 The chain only ever rejects: what it lets through RETURNs to INPUT, so the operator's own firewall
 (ufw, firewalld, nftables) still decides, and nothing it blocks is opened. Docker's own rules live in
@@ -148,7 +150,9 @@ def ruleset(dep: "Deployment", host: "Host", detected: dict[str, tuple[str, str]
     if control:
         mgmt = management_sources(dep)
         if mgmt is not None:
-            guard(str(control), mgmt, "the supervisor's control endpoint: the deployment's management addresses")
+            extra = list(dep.cluster.metrics_allow)
+            guard(str(control), mgmt + extra, "the supervisor's control endpoint and /metrics: the deployment's "
+                  "management addresses" + (" and all.vars.metrics_allow" if extra else ""))
         else:
             summary.append(f"tcp {control} (the supervisor's control endpoint): not confined, a host's "
                            "ansible_host is a name, not an address (its bearer token still guards it)")

@@ -59,3 +59,18 @@ def test_sglang_gets_the_key_from_the_config_file_deployctl_writes(tmp_path):
     assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
     ans = run_probe("sglang_auth", {"key": KEY, "cases": [], "argv": argv[3:]})
     assert ans["api_key"] == KEY
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_prometheus_scrapes_the_engine_without_the_key(engine):
+    """`monitor config` gives the engine job no credentials (orchestrator/monitor/promconfig.py): the
+    released engine must admit the scrape path without the key, however deployctl's key is set."""
+    from orchestrator.monitor import promconfig
+    (path,) = {j["metrics_path"] for j in promconfig.document("15s", "15s")["scrape_configs"]
+               if j["job_name"] == "deployctl-engine"}
+    cases = [{"method": "GET", "path": path, "authorization": None},
+             {"method": "GET", "path": "/v1/models", "authorization": None}]         # the control: guarded
+    payload = {"keys": [KEY], "cases": cases} if engine == "vllm" else {"key": KEY, "cases": cases}
+    ans = run_probe(f"{engine}_auth", payload)
+    assert ans["allowed"] == [True, False], ans
+    assert authorized(engine, [KEY], "GET", path, None), "the double agrees"
