@@ -13,6 +13,7 @@ The module shares the session's 4-host cluster; the tests run in order (one engi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -200,6 +201,7 @@ def test_tp2_up_status_logs_noop_relaunch_rollback_down(cluster, vllm_image, hub
     code, _ = api(cluster, 18110, "/v1/models")
     assert code == 200
     supervised_restart(cluster, inv, "rv2", hosts, 18110)
+    supervisor_metrics_through_the_firewall(cluster, inv, tmp_path / "prometheus", hosts)
 
     p = dctl("down", "-i", str(inv), timeout=300)
     assert p.returncode == 0, out(p)
@@ -382,14 +384,23 @@ def test_tp1_api_key_reaches_the_real_middleware(cluster, vllm_image, hub, tmp_p
     # bench sizes its prompt on the served tokenizer (the tiny byte-level BPE splits the words into
     # about 2.3 tokens each): what reaches the engine is about input_tokens tokens beyond the chat
     # template, which the first probe (the salt words alone) measures (loadgen.size_prompt)
-    p = dctl("bench", "-i", str(inv), "--concurrency", "1", "--rounds", "2", "--input-tokens", "32",
-             "--max-tokens", "4", "--no-warmup", "--json", timeout=300)
-    assert p.returncode == 0, out(p)
-    doc = json.loads(p.stdout)
-    size, (lv,) = doc["config"]["prompt"], doc["levels"]
-    assert size["tokens_per_word"] > 1.2 and size["words"] < 32 and lv["errors"] == 0, (size, lv)
-    template = size["probe_prompt_tokens"][0] - SALT_WORDS * size["tokens_per_word"]
-    assert abs(lv["prompt_tokens"] - template - 32) <= 0.15 * 32 + size["tokens_per_word"], (size, lv)
+    with watched_by_prometheus(cluster, inv, tmp_path / "prometheus", "rv1") as prom:
+        served = 'sum(vllm:request_success_total{deployment="rv1"})'
+        before = prom.value(served)
+        assert before is not None, "the engine's own request counter is scraped"
+        p = dctl("bench", "-i", str(inv), "--concurrency", "1", "--rounds", "2", "--input-tokens", "32",
+                 "--max-tokens", "4", "--no-warmup", "--json", timeout=300)
+        assert p.returncode == 0, out(p)
+        doc = json.loads(p.stdout)
+        size, (lv,) = doc["config"]["prompt"], doc["levels"]
+        assert size["tokens_per_word"] > 1.2 and size["words"] < 32 and lv["errors"] == 0, (size, lv)
+        template = size["probe_prompt_tokens"][0] - SALT_WORDS * size["tokens_per_word"]
+        assert abs(lv["prompt_tokens"] - template - 32) <= 0.15 * 32 + size["tokens_per_word"], (size, lv)
+        after = prom.wait("the request count rises after the bench",
+                          lambda: (v := prom.value(served)) is not None and v >= before + lv["completed"] and v, 30)
+        FOUND["prometheus_requests"] = (before, after)
+        dashboards_answer(prom, "rv1")
+        engine_down_alert_fires_and_resolves(cluster, prom, inv, "rv1")
     st = json.loads(dctl("status", "-i", str(inv), "--json").stdout)
     assert st["api"]["healthy"] and st["hosts"][0]["containers"][0]["api_key_id"]
     (cid,) = containers(cluster, cluster.hosts[0].name, "rv1")
@@ -398,6 +409,144 @@ def test_tp1_api_key_reaches_the_real_middleware(cluster, vllm_image, hub, tmp_p
         "never in the container's command line or labels (it reaches vLLM as VLLM_API_KEY, through --env-file)"
     assert dctl("down", "-i", str(inv), timeout=300).returncode == 0
     _forget_releases(cluster, inv)
+
+
+# ------------------------------------------------------------------------------------ Prometheus (#36)
+
+@contextlib.contextmanager
+def watched_by_prometheus(cluster, inv: Path, d: Path, deployment: str):
+    """Debian's node exporter on every host of INV, `deployctl monitor config` into D and the real
+    Prometheus on it (1 s scrapes and evaluations): every target up, with deployctl's labels."""
+    from tests.prometheus_server import Prometheus
+    hosts = [h for h in cluster.hosts if h.name in yaml.safe_load(inv.read_text())["all"]["hosts"]]
+    try:
+        for h in hosts:
+            cluster.start_node_exporter(h)
+        p = dctl("monitor", "config", "-i", str(inv), "--out", str(d / "config"), "--scrape-interval", "1s",
+                 "--evaluation-interval", "1s", "--json", timeout=120)
+        assert p.returncode == 0, out(p)
+        written = json.loads(p.stdout)
+        assert written["release"] is not None, written
+        assert KEY not in "".join(Path(f).read_text() for f in written["files"]), "no serving key in the config"
+        with Prometheus(d / "config" / "prometheus.yml", d / "data") as prom:
+            jobs = {"deployctl-engine": 1, "deployctl-supervisor": 1, "node": len(hosts)}
+
+            def all_up():
+                t = prom.targets()
+                return t if sorted(x["labels"]["job"] for x in t if x["health"] == "up") == \
+                    sorted(j for j, n in jobs.items() for _ in range(n)) else None
+            try:
+                targets = prom.wait("every target up", all_up, 60)
+            except AssertionError:
+                raise AssertionError(json.dumps(prom.targets(), indent=1)[-3000:]) from None
+            for t in targets:
+                lab = t["labels"]
+                assert lab["deployment"] == deployment and lab["release"] == str(written["release"]), lab
+                assert lab["host"] in {h.name for h in hosts} and lab["rank"].isdigit(), lab
+            yield prom
+    finally:
+        for h in hosts:
+            cluster.stop_node_exporter(h)
+
+
+def supervisor_metrics_through_the_firewall(cluster, inv: Path, d: Path, hosts) -> None:
+    """Multi-node: the head's firewall chain admits the supervisor's port to the deployment's hosts only,
+    so `monitor config` says so and the real Prometheus (on the management bridge's address) finds
+    that target refused; with the bridge's address under all.vars.metrics_allow and an `up` (a no-op
+    that re-applies the chain) it is up, and its samples keep the host and rank they are about (every
+    rank's MemAvailable and NVMe free space, scraped from the head); the wedge incident and the
+    restart of supervised_restart are counted."""
+    from tests.prometheus_server import Prometheus
+    wedge_sets = ("--set", "supervise.wedge_interval_s=3", "--set", "supervise.wedge_timeout_s=8")   # the same install
+    try:
+        for h in hosts:
+            cluster.start_node_exporter(h)
+        p = dctl("monitor", "config", "-i", str(inv), "--out", str(d / "config"), "--scrape-interval", "1s",
+                 "--evaluation-interval", "1s", *wedge_sets, "--json", timeout=120)
+        assert p.returncode == 0, out(p)
+        assert "metrics_allow" in json.loads(p.stdout)["note"]
+        with Prometheus(d / "config" / "prometheus.yml", d / "data") as prom:
+            def health(job):
+                return [t["health"] for t in prom.targets() if t["labels"]["job"] == job]
+            prom.wait("engine and node targets up, the supervisor's refused",
+                      lambda: health("deployctl-engine") == ["up"] and health("node") == ["up", "up"]
+                      and health("deployctl-supervisor") == ["down"], 60)
+            data = yaml.safe_load(inv.read_text())
+            _write(inv, data, {"metrics_allow": [cluster.bridge_address]})
+            p = up(inv, *wedge_sets)
+            assert p.returncode == 0, out(p)
+            assert "still runs" in unwrap(out(p)), out(p)      # nothing relaunched
+            prom.wait("the supervisor's target up", lambda: health("deployctl-supervisor") == ["up"], 30)
+            mem = prom.wait("every rank's memory, from the head",
+                            lambda: (r := prom.query('deployctl_host_mem_available_bytes{deployment="rv2"}'))
+                            and len(r) == 2 and r, 30)
+            assert sorted((m["metric"]["host"], m["metric"]["rank"]) for m in mem) == \
+                [(h.name, str(i)) for i, h in enumerate(hosts)], mem
+            assert all(m["metric"]["instance"].startswith(hosts[0].address) for m in mem), "scraped from the head"
+            assert prom.value('deployctl_incidents_total{deployment="rv2",kind="wedge"}') == 1
+            assert prom.value('deployctl_restarts_total{deployment="rv2"}') >= 1
+            assert prom.value('deployctl_rank_running{deployment="rv2",host="%s"}' % hosts[1].name) == 1
+            assert prom.value('count(deployctl_host_disk_avail_bytes{deployment="rv2"} > 0)') == 2
+    finally:
+        for h in hosts:
+            cluster.stop_node_exporter(h)
+
+
+# answered on a single-host vLLM deployment after a bench (the fabric and floor queries have no
+# series there: no fabric, no memory floor in recipes/vllm-cpu.yml; they must still be valid PromQL)
+MUST_ANSWER = ("Time to first token, p95", "Inter-token latency, p50", "Generated tokens per second",
+               "Requests finished per second", "Requests waiting", "KV cache in use", "Supervisor state",
+               "Current release", "MemAvailable per host", "Memory in use against sizing's plan",
+               "NVMe folder free per host")
+
+
+def dashboards_answer(prom, deployment: str) -> None:
+    """Every ```promql block of docs/monitoring.md is valid for the real Prometheus, and those an
+    operator needs on any deployment answer with numbers."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "monitoring.md").read_text()
+    blocks = re.findall(r"```promql\n(.*?)```", doc, re.S)
+    assert len(blocks) >= 20, len(blocks)
+    answered = {}
+    for b in blocks:
+        title = b.splitlines()[0].lstrip("# ").strip()
+        expr = "\n".join(b.splitlines()[1:]).replace("$deployment", deployment)
+        answered[title] = prom.query(expr)
+    for want in MUST_ANSWER:
+        (title,) = [t for t in answered if t.startswith(want)]
+        vals = [float(r["value"][1]) for r in answered[title]]
+        assert vals and all(v == v for v in vals), (title, answered[title])        # numbers, no NaN
+    FOUND["dashboards"] = {t: [r["value"][1] for r in v] for t, v in answered.items()}
+
+
+def engine_down_alert_fires_and_resolves(cluster, prom, inv: Path, deployment: str) -> None:
+    """The supervisor stopped first (a deliberate `docker stop`: its restart policy leaves it stopped),
+    then the engine: DeployctlEngineDown fires within its `for:` (1 min) plus a scrape and an evaluation
+    (1 s each here), and resolves once the supervisor, started again, has brought the group back."""
+    from orchestrator.launch.supervision import container_name
+    head = cluster.hosts[0]
+    sup = container_name(load_deployment(str(inv)))
+    (cid,) = containers(cluster, head.name, deployment)
+    restarts = prom.value(f'deployctl_restarts_total{{deployment="{deployment}"}}')
+    assert _docker(head.docker_host, "stop", sup).returncode == 0
+    t0 = time.monotonic()
+    assert _docker(head.docker_host, "stop", cid).returncode == 0
+    stopped = time.monotonic()
+    prom.wait("the engine's /metrics goes down", lambda: prom.value(f'up{{job="deployctl-engine",deployment="{deployment}"}}') == 0, 15)
+    firing = prom.wait("DeployctlEngineDown fires",
+                       lambda: [a for a in prom.alerts("DeployctlEngineDown") if a["state"] == "firing"], 120, every=0.25)
+    fired_s = time.monotonic() - stopped
+    assert firing[0]["labels"]["deployment"] == deployment and firing[0]["labels"]["severity"] == "critical"
+    assert firing[0]["annotations"]["runbook"].endswith("model-went-down-at-night.md")
+    assert 60 <= fired_s <= 60 + 1 + 1 + 10, f"fired {fired_s:.1f}s after the stop"       # for + scrape + eval, slack
+    assert _docker(head.docker_host, "start", sup).returncode == 0
+    prom.wait("DeployctlEngineDown resolves", lambda: not prom.alerts("DeployctlEngineDown"), 300, every=1)
+    resolved_s = time.monotonic() - t0
+    prom.wait("the supervisor counts the restart",
+              lambda: (prom.value(f'deployctl_restarts_total{{deployment="{deployment}"}}') or 0) >= (restarts or 0) + 1, 30)
+    assert (prom.value(f'deployctl_incidents_total{{deployment="{deployment}",kind="rank-exited"}}') or 0) >= 1
+    FOUND["engine_down_alert_s"] = (round(fired_s, 1), round(resolved_s, 1))
+    print(f"\n[real vLLM + Prometheus] DeployctlEngineDown fired {fired_s:.1f}s after the engine stopped, "
+          f"resolved {resolved_s:.1f}s after it (the supervisor restarted the group)")
 
 
 def test_tp4_serves_what_transformers_computes_then_a_killed_rank_is_named(cluster, vllm_image, hub, tmp_path):

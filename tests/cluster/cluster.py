@@ -1001,11 +1001,35 @@ class TestCluster:
         return url
 
     def stop_hub(self, host: "str | TestHost") -> None:
+        self._stop_helper(host, "hub.pid", "tests.hub_endpoint")
+
+    def _stop_helper(self, host: "str | TestHost", pidfile: str, needle: str) -> None:
+        """Stop the helper process HOST's PIDFILE names, if it is still the one (its command line has NEEDLE)."""
         h = self.host(host)
-        pid = _read_pid(h.dir / "hub.pid")
-        if pid and _alive(pid) and "tests.hub_endpoint" in _cmdline(pid):
+        pid = _read_pid(h.dir / pidfile)
+        if pid and _alive(pid) and needle in _cmdline(pid):
             _stop_pid(pid, timeout=5)
-        (h.dir / "hub.pid").unlink(missing_ok=True)
+        (h.dir / pidfile).unlink(missing_ok=True)
+
+    def start_node_exporter(self, host: "str | TestHost", port: int = 9100) -> str:
+        """Debian's prometheus-node-exporter in HOST's namespace, on its address (what an operator runs
+        on every host; `ip netns exec` remounts /sys, so the netclass collector sees the host's own
+        netdevs). A few collectors: what deployctl's rules and dashboards read. Its host:port."""
+        h = self.host(host)
+        if not _tcp_open(h.address, port):
+            log = open(h.dir / "node-exporter.log", "ab")
+            proc = subprocess.Popen(["ip", "netns", "exec", h.netns, "prometheus-node-exporter",
+                                     f"--web.listen-address={h.address}:{port}", "--collector.disable-defaults",
+                                     "--collector.meminfo", "--collector.netclass", "--collector.netdev",
+                                     "--collector.filesystem", "--collector.loadavg"],
+                                    stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+            log.close()
+            (h.dir / "node-exporter.pid").write_text(str(proc.pid))
+            _wait(f"node exporter on {h.name}", lambda: _tcp_open(h.address, port), 20, h.dir / "node-exporter.log")
+        return f"{h.address}:{port}"
+
+    def stop_node_exporter(self, host: "str | TestHost") -> None:
+        self._stop_helper(host, "node-exporter.pid", "node-exporter")
 
     # -- faults --------------------------------------------------------------------------------
     def link_down(self, host: "str | TestHost", iface: str = "eth0") -> None:
