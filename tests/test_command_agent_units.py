@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -127,8 +128,9 @@ def test_the_login_environment_is_what_commands_get():
         a.close()
 
 
-def _lock(a: Agent, path: str, holder: str = "", unlock: bool = False) -> dict:
-    req = json.dumps({"unlock": path} if unlock else {"lock": path, "holder": holder}).encode()
+def _lock(a: Agent, path: str, holder: str = "", unlock: bool = False, wait: float | None = None) -> dict:
+    req = json.dumps({"unlock": path} if unlock else
+                     {"lock": path, "holder": holder, **({"wait": wait} if wait is not None else {})}).encode()
     a.p.stdin.write(struct.pack(">Q", len(req)) + req)
     a.p.stdin.flush()
     doc = a.read()
@@ -169,3 +171,34 @@ def test_the_agents_lock_is_flocks_lock_and_ends_with_the_agent(tmp_path):
         finally:
             c.close()
             f.kill()
+
+
+def test_a_lock_held_for_an_instant_is_waited_for_and_a_check_leaves_the_holder(tmp_path):
+    """The head's supervisor checks the deployment's lock every tick by taking it for an instant
+    (hostside/supervisor.py lock_busy): a run that asks meanwhile waits its grace and gets it (before,
+    it was refused with an empty holder: "holder unknown"); the check never rewrites who held it last;
+    a lock held past the grace is still refused, naming its holder."""
+    from orchestrator.hostside.command_agent import drop_lock, take_lock
+    path = str(tmp_path / "deployctl-y.lock")
+    mine: dict[str, int] = {}
+    assert take_lock(mine, path, "deployctl up by a run")["rc"] == 0
+    drop_lock(mine, path)
+    assert take_lock(mine, path, None)["rc"] == 0                  # the supervisor's check
+    assert Path(path).read_text() == "deployctl up by a run\n", "a check leaves the file as it was"
+    a = Agent()
+    try:
+        assert _lock(a, path, "run W")["rc"] == 75                 # no wait asked: refused at once
+        threading.Timer(0.3, drop_lock, (mine, path)).start()      # the check lets go 0.3 s later
+        t0 = time.monotonic()
+        assert _lock(a, path, "run W", wait=2.0)["rc"] == 0
+        assert 0.25 <= time.monotonic() - t0 < 2.0
+        assert Path(path).read_text() == "run W\n"
+        b = Agent()
+        try:
+            t0 = time.monotonic()
+            held = _lock(b, path, "run X", wait=0.5)
+            assert held["rc"] == 75 and held["out"] == "run W\n" and time.monotonic() - t0 >= 0.5
+        finally:
+            b.close()
+    finally:
+        a.close()

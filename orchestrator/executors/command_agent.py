@@ -102,11 +102,12 @@ class CommandAgent:
             raise SSHTimeout(self.host, f"command timed out after {timeout:g}s: `{cmd}`" + _tail_note(out, err))
         return Result(int(doc["rc"]), out.decode(errors="replace"), err.decode(errors="replace"))
 
-    def lock(self, path: str, holder: str, timeout: float) -> Result:
-        """flock PATH without waiting, held by the agent until unlock() or its end (see the agent's
-        doc): rc 0 taken, LOCK_BUSY (hostside/command_agent.py) held by another process (stdout:
-        the holder it wrote)."""
-        doc = self._request({"lock": path, "holder": holder}, f"a lock on {path}", timeout)
+    def lock(self, path: str, holder: str, timeout: float, wait_s: float = 0.0) -> Result:
+        """flock PATH, trying for up to WAIT_S while it is held, then held by the agent until unlock()
+        or its end (see the agent's doc): rc 0 taken, LOCK_BUSY (hostside/command_agent.py) held by
+        another process (stdout: the holder it wrote)."""
+        doc = self._request({"lock": path, "holder": holder, "wait": wait_s}, f"a lock on {path}",
+                            timeout + wait_s)
         return Result(int(doc["rc"]), base64.b64decode(doc.get("out", "")).decode(errors="replace"),
                       base64.b64decode(doc.get("err", "")).decode(errors="replace"))
 

@@ -107,7 +107,7 @@ class _Agents:
         else:
             self._give_back(agent)
 
-    def lock(self, path: str, holder: str, timeout: float) -> Result | None:
+    def lock(self, path: str, holder: str, timeout: float, wait_s: float = 0.0) -> Result | None:
         """flock PATH in an agent of this connection, held until unlock(PATH) or the connection's
         end (CommandAgent.lock); None when the host has no agent (the caller uses flock(1)). The
         agent stays in use for other commands meanwhile, never closed as surplus."""
@@ -115,7 +115,7 @@ class _Agents:
         if agent is None:
             return None
         try:
-            r = agent.lock(path, holder, timeout)
+            r = agent.lock(path, holder, timeout, wait_s)
             if r.rc == 0:
                 with self.cond:
                     self.locked[path] = agent

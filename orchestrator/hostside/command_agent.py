@@ -23,10 +23,11 @@ it answers {"rc", "out": base64, "err": base64} or, past the timeout (the comman
 is then killed), {"timeout": true, "out", "err"}. EOF on stdin ends the agent. It never writes to
 stderr, so the channel's stderr cannot fill.
 
-Locks: {"lock": PATH, "holder": TEXT} takes flock(2) LOCK_EX|LOCK_NB on PATH (created 0644), the
-lock `flock -n PATH` takes, so the two exclude each other; on success TEXT replaces the file's
-content (who holds it) and the answer is {"rc": 0}; when another process holds it, {"rc": 75,
-"out": base64 of the file} (75: what `flock -E 75` exits with). {"unlock": PATH} lets it go. A lock
+Locks: {"lock": PATH, "holder": TEXT, "wait": S} takes flock(2) LOCK_EX|LOCK_NB on PATH (created
+0644), the lock `flock PATH` takes, so the two exclude each other, trying again for up to S seconds
+(default 0) while another process holds it: the supervisor's check holds it for microseconds; on
+success TEXT replaces the file's content (who holds it) and the answer is {"rc": 0}; when another
+process still holds it, {"rc": 75, "out": base64 of the file} (75: what `flock -E 75` exits with). {"unlock": PATH} lets it go. A lock
 lives in this process (its fd is close-on-exec, and forked programs close it first), so it ends
 with the agent: when the controller closes the channel, or dies and sshd ends the session.
 """
@@ -41,6 +42,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 
 PROTOCOL = 1
 
@@ -179,25 +181,35 @@ def preload() -> None:
             pass
 
 
-def take_lock(locks: dict[str, int], path: str, holder: str) -> dict:
-    """A lock request's answer (see the module doc); LOCKS: path -> fd of the locks held."""
+def take_lock(locks: dict[str, int], path: str, holder: str | None, wait_s: float = 0.0) -> dict:
+    """A lock request's answer (see the module doc); LOCKS: path -> fd of the locks held. HOLDER None:
+    the file is left as it is (a check that lets the lock go at once must not erase who held it
+    last, nor show an empty holder to a run refused meanwhile)."""
     if path in locks:
         return {"rc": 0, "out": "", "err": ""}
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOCTTY, 0o644)
     except OSError as e:
         return {"rc": 1, "out": "", "err": _b64(f"cannot open {path}: {e}\n".encode())}
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
+    deadline = time.monotonic() + max(0.0, wait_s)
+    while True:
         try:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):        # another process holds it
-                return {"rc": LOCK_BUSY, "out": _b64(os.pread(fd, 4096, 0)), "err": ""}
-            return {"rc": 1, "out": "", "err": _b64(f"flock {path}: {e}\n".encode())}
-        finally:
-            os.close(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, holder.encode() + b"\n", 0)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as e:
+            busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)       # another process holds it
+            if busy and time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            try:
+                if busy:
+                    return {"rc": LOCK_BUSY, "out": _b64(os.pread(fd, 4096, 0)), "err": ""}
+                return {"rc": 1, "out": "", "err": _b64(f"flock {path}: {e}\n".encode())}
+            finally:
+                os.close(fd)
+    if holder is not None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode() + b"\n", 0)
     locks[path] = fd
     return {"rc": 0, "out": "", "err": ""}
 
@@ -229,7 +241,7 @@ def serve(rd, wr, base_env: dict[str, str]) -> None:
             return
         req = json.loads(body)
         if "lock" in req:
-            send(take_lock(locks, req["lock"], req.get("holder", "")))
+            send(take_lock(locks, req["lock"], req.get("holder", ""), float(req.get("wait") or 0)))
             continue
         if "unlock" in req:
             send(drop_lock(locks, req["unlock"]))

@@ -1,6 +1,8 @@
 """One deployctl run at a time per deployment: a lock held on the head for the whole run.
 
-flock(2) on LOCKFILE, taken without waiting, with the holder written into the file (so a refused
+flock(2) on LOCKFILE, taken after at most GRACE_S of waiting (the head's supervisor checks the lock
+by taking it for an instant every tick, hostside/supervisor.py lock_busy: a run that met that instant
+was refused, "holder unknown"; a real holder keeps it far longer), with the holder written into the file (so a refused
 run can say who holds it), held by a process that lives as long as our SSH session to the head:
 - on a shared connection (every CLI command, executors/ssh_pool.py), the head's command agent holds
   it (hostside/command_agent.py take_lock): no login shell of its own;
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 
 BUSY = LOCK_BUSY             # flock -E (and the agent's answer): the lock is held by someone else
 ACQUIRE_TIMEOUT_S = 20.0
+GRACE_S = 2.0                # how long a held lock is waited for before the run is refused
 
 
 class LockHeld(StageFailed):
@@ -71,7 +74,7 @@ class HeadLock:
         agents = self._session.runner
         if hasattr(agents, "lock"):
             try:
-                r = agents.lock(path, holder_text(self.command), self.timeout)
+                r = agents.lock(path, holder_text(self.command), self.timeout, GRACE_S)
             except SSHError as e:
                 raise StageFailed(f"cannot take the deployment lock {path} on the head {head}: {e}") from None
             if r is not None:
@@ -81,11 +84,11 @@ class HeadLock:
                 self._refuse(r.rc, r.stdout.strip(), r.stdout, r.stderr)
         inner = (f"printf '%s\\n' {shlex.quote(holder_text(self.command))} > {shlex.quote(path)}; "
                  "echo LOCKED; exec cat")
-        cmd = command_line(["flock", "-n", "-E", str(BUSY), path, "-c", inner])
+        cmd = command_line(["flock", "-w", f"{GRACE_S:g}", "-E", str(BUSY), path, "-c", inner])
         try:
             self._ex = self._session.open_exec(cmd, idle_timeout=self.timeout)
             # `cat` holds the lock while stdin stays open: read until LOCKED, never close stdin here
-            rc = self._ex.read(timeout=self.timeout, until=lambda kind, line: line.strip() == "LOCKED")
+            rc = self._ex.read(timeout=self.timeout + GRACE_S, until=lambda kind, line: line.strip() == "LOCKED")
         except SSHError as e:
             self.release()
             raise StageFailed(f"cannot take the deployment lock {path} on the head {head}: {e}") from None
