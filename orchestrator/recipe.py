@@ -302,13 +302,18 @@ class SuperviseSpec:
     backoff_s: float = 10.0              # the wait before the 2nd restart in the window, doubled after
     backoff_max_s: float = 300.0
     silent_s: float = 15.0               # a worker's agent silent this long: no restart until it reports
+    # a restart stops the broken group with docker stop -t this: SIGTERM, then SIGKILL. Short on purpose:
+    # the group serves nothing any more, and a wedged engine or a rank blocked in a collective does
+    # not exit on SIGTERM (bench/supervisor.py: 10 s of a 26 s restart overhead were this wait)
+    stop_timeout_s: int = 3
     keep_incidents: int = 50
 
     def validate(self, path: str, file: str) -> None:
         checks.fields(self, path, file, port=("port",),
                       count=("health_failures", "wedge_max_tokens", "max_restarts", "keep_incidents"),
                       positive=("interval_s", "wedge_interval_s", "wedge_timeout_s", "window_s", "silent_s"),
-                      non_negative=("mem_floor_gib", "mem_sustain_s", "backoff_s", "backoff_max_s"))
+                      non_negative=("mem_floor_gib", "mem_sustain_s", "backoff_s", "backoff_max_s",
+                                    "stop_timeout_s"))
 
 
 VERDICTS = ("unreachable", "slow-link", "mtu", "subnet", "management", "link-down", "unmeasured")

@@ -165,20 +165,6 @@ def test_thresholds_come_from_the_plan(dep):
     assert f["labels"] == {"deployment": dep.name, "host": dep.cluster.hosts[1].name, "device": "fab0"}
     assert f["expr"] == "vector(25000000000.0)"                            # 200 Gb/s in bytes/s
     assert "deployctl:mem_floor_bytes" not in by                           # supervise.mem_floor_gib is 0
-    assert "deployctl:fabric_check_timestamp_seconds" not in by            # that report carries no time
-
-
-def test_the_last_fabric_result_is_recorded(dep):
-    a, b = (h.name for h in dep.cluster.hosts[:2])
-    doc = {"at": 1764800000.25, "report": {"links": [
-        {"a": a, "b": b, "throughput": {"gbps": 94.5}}, {"a": b, "b": a, "throughput": {}}]}}
-    recs = [r for r in thresholds.rules(dep, doc) if r["record"].startswith("deployctl:fabric")]
-    assert recs == [
-        {"record": "deployctl:fabric_check_timestamp_seconds", "expr": "vector(1764800000.25)",
-         "labels": {"deployment": dep.name}},
-        {"record": "deployctl:fabric_link_throughput_bytes", "expr": f"vector({94.5e9 / 8!r})",
-         "labels": {"deployment": dep.name, "link": f"{a}-{b}", "src": a, "dst": b}}]      # no figure, no series
-    assert not [r for r in thresholds.rules(dep, None) if r["record"].startswith("deployctl:fabric")]
 
 
 def test_merge_keeps_the_operators_jobs_and_replaces_ours():

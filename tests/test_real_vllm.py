@@ -51,9 +51,10 @@ FOUND: dict[str, object] = {}         # what one test measured and a later one c
 
 # ------------------------------------------------------------------------------------------ fixtures
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def leave_nothing(cluster):
-    """A failed test leaves no engine or supervisor of this module running for the next modules."""
+    """A failed test leaves no engine or supervisor of this module running for the next tests (a
+    supervisor left on node1 holds the supervisor port the next deployment's wants there)."""
     yield
     for d in ("rv2", "rv1", "rv4", "rvs", "dv1", "dv4"):
         remove_all(cluster, d)
@@ -438,7 +439,8 @@ def watched_by_prometheus(cluster, inv: Path, d: Path, deployment: str):
             try:
                 targets = prom.wait("every target up", all_up, 60)
             except AssertionError:
-                raise AssertionError(json.dumps(prom.targets(), indent=1)[-3000:]) from None
+                raise AssertionError(json.dumps([(t["labels"], t["health"], t["lastError"]) for t in prom.targets()],
+                                                indent=1)[-3000:]) from None
             for t in targets:
                 lab = t["labels"]
                 assert lab["deployment"] == deployment and lab["release"] == str(written["release"]), lab
@@ -476,7 +478,11 @@ def supervisor_metrics_through_the_firewall(cluster, inv: Path, d: Path, hosts) 
             p = up(inv, *wedge_sets)
             assert p.returncode == 0, out(p)
             assert "still runs" in unwrap(out(p)), out(p)      # nothing relaunched
-            prom.wait("the supervisor's target up", lambda: health("deployctl-supervisor") == ["up"], 30)
+            try:
+                prom.wait("the supervisor's target up", lambda: health("deployctl-supervisor") == ["up"], 30)
+            except AssertionError:
+                raise AssertionError(json.dumps([t for t in prom.targets()
+                                                 if t["labels"]["job"] == "deployctl-supervisor"], indent=1)) from None
             mem = prom.wait("every rank's memory, from the head",
                             lambda: (r := prom.query('deployctl_host_mem_available_bytes{deployment="rv2"}'))
                             and len(r) == 2 and r, 30)
@@ -487,6 +493,11 @@ def supervisor_metrics_through_the_firewall(cluster, inv: Path, d: Path, hosts) 
             assert prom.value('deployctl_restarts_total{deployment="rv2"}') >= 1
             assert prom.value('deployctl_rank_running{deployment="rv2",host="%s"}' % hosts[1].name) == 1
             assert prom.value('count(deployctl_host_disk_avail_bytes{deployment="rv2"} > 0)') == 2
+            links = prom.query('deployctl_fabric_link_throughput_bytes{deployment="rv2"} > 0')
+            assert {(x["metric"]["src"], x["metric"]["dst"]) for x in links} <= {(a.name, b.name) for a in hosts
+                                                                              for b in hosts if a != b} and links, links
+            assert 0 <= prom.value('time() - deployctl_fabric_check_timestamp_seconds{deployment="rv2"}') < 3600, \
+                "the last fabric result, from the supervisor"
     finally:
         for h in hosts:
             cluster.stop_node_exporter(h)

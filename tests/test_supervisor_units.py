@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import time
 
 from orchestrator.hostside import supervisor as S
 
@@ -139,6 +140,11 @@ def test_metrics_are_prometheus_text_that_promtool_accepts(tmp_path):
         s = S.Supervisor(cfg, str(tmp_path), engine=None)
         s.local.view = lambda mask: S.RankView("h1", rank("h1").container, "b", 3 * S.GiB_KIB, 0.0, [], 10 ** 12)
         return s
+    from orchestrator.launch.supervision import FABRIC_FILE, fabric_summary
+    summary = fabric_summary({"at": 1764800000.25, "report": {"links": [
+        {"a": "h1", "b": "h2", "throughput": {"gbps": 94.5}}, {"a": "h2", "b": "h1", "throughput": None}]}})
+    assert summary == {"at": 1764800000.25, "links": [{"link": "h1-h2", "src": "h1", "dst": "h2", "gbps": 94.5}]}
+    (tmp_path / FABRIC_FILE).write_text(json.dumps(summary))
     s = sup()
     s.sync({"host": "h2", "container": rank("h2", "exited", exit_code=137).container, "boot_id": "b",
             "mem_kib": None, "log_tail": [], "disk_avail": 5 * 10 ** 11})
@@ -160,6 +166,9 @@ def test_metrics_are_prometheus_text_that_promtool_accepts(tmp_path):
     assert 'deployctl_incidents_total{deployment="d",kind="rank-exited"} 1' in lines
     assert 'deployctl_incidents_total{deployment="d",kind="wedge"} 0' in lines
     assert 'deployctl_release_number{deployment="d",command="up"} 3' in lines
+    assert 'deployctl_fabric_check_timestamp_seconds{deployment="d"} 1764800000.25' in lines
+    assert 'deployctl_fabric_link_throughput_bytes{deployment="d",link="h1-h2",src="h1",dst="h2"} 11812500000' \
+        in lines, "the link measured; the one without a figure has no sample"
     promtool = shutil.which("promtool")
     assert promtool, "Debian's prometheus (.ci/setup) provides promtool"
     p = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
@@ -169,3 +178,25 @@ def test_metrics_are_prometheus_text_that_promtool_accepts(tmp_path):
     assert 'deployctl_restarts_total{deployment="d"} 2' in again.splitlines()
     cfg["install"] = "i2"                         # a new install starts its counters again
     assert 'deployctl_restarts_total{deployment="d"} 0' in sup().metrics().splitlines()
+
+
+def test_a_scrape_never_waits_on_the_docker_engine(tmp_path):
+    """/metrics shows the head's rank as the loop last saw it: Docker's container list blocks while a
+    container is being stopped (a restart), far past a scrape's timeout, so a scrape must not ask it."""
+    cfg = {**CFG, "install": "i1", "host": "h1", "workers": [], "ranks": {"h1": 0},
+           "release_history": str(tmp_path / "none.json")}
+    s = S.Supervisor(cfg, str(tmp_path), engine=None)
+    asked = []
+
+    def view(mask):
+        asked.append(1)
+        return S.RankView("h1", rank("h1").container, "b", 3 * S.GiB_KIB, 0.0, [], 10 ** 12)
+    s.local.view = view
+    s.metrics()                                   # nothing seen yet: looked at once
+    assert len(asked) == 1
+    s.local.view = lambda mask: (_ for _ in ()).throw(AssertionError("a scrape asked the Docker engine"))
+    time.sleep(0.05)
+    lines = s.metrics().splitlines()
+    assert 'deployctl_rank_running{deployment="d",host="h1",rank="0"} 1' in lines
+    (age,) = [float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("deployctl_rank_report_age_seconds{")]
+    assert age >= 0.05, "the head's sample says how old it is"

@@ -42,7 +42,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..fsutil import atomic_write_text
@@ -367,6 +367,7 @@ class Supervisor:
         self.probes: dict[str, tuple[bool, float]] = {}                                 # probe -> (ok, when)
         self.last_wedge = 0.0
         self.stopping = threading.Event()
+        self.local_seen: tuple[float, RankView] | None = None       # the last look at this host's rank
 
     # -- state and incidents -----------------------------------------------------------------
     def load_state(self) -> dict[str, Any]:
@@ -418,6 +419,14 @@ class Supervisor:
         return {k: last.get(k) for k in ("number", "time", "image_id", "command", "rollback_of", "specs")
                 if k in last} if isinstance(last, dict) else None      # orchestrator/releases.py Release.to_json
 
+    def fabric(self) -> dict[str, Any]:
+        """The last fabric result `up` left beside the state (launch/supervision.py fabric_summary)."""
+        try:
+            doc = json.loads(read_file(os.path.join(self.dir, "fabric.json"), "{}") or "{}")
+        except ValueError:
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
     def write_incident(self, inc: dict[str, Any]) -> None:
         d = os.path.join(self.dir, "incidents")
         os.makedirs(d, exist_ok=True)
@@ -439,8 +448,16 @@ class Supervisor:
                 self.done[host] = report["done"]
             return {"order": self.orders.get(host)}
 
-    def views(self) -> dict[str, RankView]:
-        out = {self.cfg["host"]: self.local.view(self.mask)}
+    def views(self, cached: bool = False) -> dict[str, RankView]:
+        """Every rank as last seen: this host's asked of its Docker engine now (CACHED: as the last
+        call saw it, its age as the report's age), the workers' from their agents' last reports."""
+        seen = self.local_seen
+        if cached and seen is not None:
+            local = replace(seen[1], age_s=time.monotonic() - seen[0])
+        else:
+            local = self.local.view(self.mask)
+            self.local_seen = (time.monotonic(), local)
+        out = {self.cfg["host"]: local}
         now = time.monotonic()
         with self.lock:
             for h in self.cfg["workers"]:
@@ -610,7 +627,7 @@ class Supervisor:
     def lock_busy(self) -> str | None:
         path = self.cfg["lock_file"]
         locks: dict[str, int] = {}
-        r = take_lock(locks, path, f"deployctl supervisor on {self.cfg['host']} (checking)")
+        r = take_lock(locks, path, None)        # held for an instant, the file (who held it last) left as it is
         if r["rc"] == 0:
             drop_lock(locks, path)
             return None
@@ -678,9 +695,12 @@ class Supervisor:
 
     # -- what Prometheus reads ----------------------------------------------------------------
     def metrics(self) -> str:
-        """GET /metrics: what the supervisor knows, in Prometheus' text format (docs/monitoring.md)."""
+        """GET /metrics: what the supervisor knows, in Prometheus' text format (docs/monitoring.md).
+        This host's rank as the loop last saw it: a scrape never waits on the Docker engine, whose
+        container list blocks while a container of it is being stopped (up to the stop timeout, far
+        past a scrape's timeout, which left the target down through a restart)."""
         cfg, dep = self.cfg, self.cfg["deployment"]
-        ranks = self.views()
+        ranks = self.views(cached=True)
         rank_of = cfg.get("ranks") or {}
         fam = [Family("deployctl_supervisor_info", "The supervisor of a deployment (1), by install digest")
                .add(1, deployment=dep, host=cfg["host"], install=cfg["install"]),
@@ -695,7 +715,8 @@ class Supervisor:
             when.add(round(t, 3), deployment=dep, probe=name)
         fam += [ok, when]
         running = Family("deployctl_rank_running", "1 when the rank's engine container runs")
-        age = Family("deployctl_rank_report_age_seconds", "Since the host's agent last reported (0: the head)")
+        age = Family("deployctl_rank_report_age_seconds", "Since the host's agent last reported (the head: "
+                     "since the supervisor last looked at its own rank)")
         mem = Family("deployctl_host_mem_available_bytes", "MemAvailable of the host (/proc/meminfo)")
         disk = Family("deployctl_host_disk_avail_bytes", "Free bytes on the filesystem of the host's nvme_dir")
         for h, r in sorted(ranks.items()):
@@ -714,6 +735,16 @@ class Supervisor:
         last = self.last_incident or {}
         fam.append(Family("deployctl_last_incident_timestamp_seconds", "When the last incident began")
                    .add(last.get("time"), deployment=dep, kind=last.get("kind", "")))
+        fab = self.fabric()
+        fam.append(Family("deployctl_fabric_check_timestamp_seconds", "When the last passing fabric check ran "
+                          "(deployctl up's fabric stage, on the controller)").add(fab.get("at"), deployment=dep))
+        tput = Family("deployctl_fabric_link_throughput_bytes", "What each link carried in that check (iperf3, "
+                      "src -> dst), bytes/s")
+        for lk in fab.get("links") or []:
+            if isinstance(lk, dict) and isinstance(lk.get("gbps"), (int, float)):
+                tput.add(round(lk["gbps"] * 1e9 / 8), deployment=dep, link=lk.get("link", ""),
+                         src=lk.get("src", ""), dst=lk.get("dst", ""))
+        fam.append(tput)
         r = self.release() or {}
         fam.append(Family("deployctl_release_number", "The deployment's current release (its history on the head)")
                    .add(r.get("number"), deployment=dep, command=r.get("command", "")))

@@ -6,7 +6,8 @@ Per host one container `deployctl-<deployment>-supervisor` from the serving imag
 every host: ship put it there), labelled `deployctl.supervisor=<deployment>` (not the engines' label:
 launch, status and down count engines by theirs), `--restart unless-stopped`, host network, with:
   <nvme_dir>/.deployctl/supervisor/<deployment>/  -> /state (config.json, the host-side zipapp,
-      token 0600; on the head api_key 0600, state.json, incidents/)
+      token 0600; on the head api_key 0600, state.json, incidents/, fabric.json: the last passing
+      fabric check, rewritten by every `up`, which its /metrics exports)
   the host's Docker socket                       -> /run/deployctl/docker.sock
   the head's /var/lock (the deployment's lock)    -> /run/deployctl/lock
   the head's release history folder (read-only)  -> /run/deployctl/releases
@@ -28,7 +29,7 @@ from ..executors.docker_cli import docker_argv
 from ..hostside import bundle
 from ..outcomes import HostFailure, parallel
 from ..paths import LOCK_DIR, lock_path
-from .containerspec import STOP_TIMEOUT_S, start_sequence
+from .containerspec import start_sequence
 from .diagnosis import ORIGIN
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ INSTALL_SH = ('umask 077 && mkdir -p "$1" && IFS= read -r t && IFS= read -r k &&
               'else rm -f "$1/api_key"; fi && mv -f "$1/$2.tmp" "$1/$2" && mv -f "$1/token.tmp" "$1/token" && '
               'mv -f "$1/config.json.tmp" "$1/config.json" && '
               'for f in "$1"/deployctl-tables-*.pyz; do [ "$f" = "$1/$2" ] || rm -f "$f"; done && shift 3 && exec "$@"')
+FABRIC_FILE = "fabric.json"
+WRITE_SH = 'umask 022; mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv -f "$1.tmp" "$1"'
 # $1 the state dir: state.json, then each incident (newest last), one JSON document per line
 READ_SH = ('[ -d "$1" ] || exit 4; python3 -c \'import json,os,sys; d=sys.argv[1]\n'
            'def rd(p):\n try: return json.load(open(p))\n except (OSError, ValueError): return None\n'
@@ -84,7 +87,7 @@ def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
     head = c.head_host
     workers = [h.name for h in c.workers]
     seq = [list(g) for g in start_sequence(dep)]
-    common = {"deployment": dep.name, "stop_timeout_s": STOP_TIMEOUT_S, "socket": f"{MOUNT}/docker.sock",
+    common = {"deployment": dep.name, "stop_timeout_s": s.stop_timeout_s, "socket": f"{MOUNT}/docker.sock",
               "silent_s": s.silent_s}
     origin = [p.pattern for p in ORIGIN]      # the lines by which a rank says its own process died
     head_cfg = {**common, "role": "head", "host": head.name, "workers": workers,
@@ -190,6 +193,27 @@ def install(dep: "Deployment", shells: "Shells") -> dict[str, str]:
     if done.failed:
         raise HostFailure("; ".join(f"{n}: {e}" for n, e in done.failed.items()))
     return done.ok
+
+
+def fabric_summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """What the head's supervisor exports of the controller's last passing fabric check (fabric/cache.py
+    `last`): when, and what each link carried (iperf3, a -> b). Pure."""
+    links = []
+    for lk in (doc.get("report") or {}).get("links") or []:
+        gbps = (lk.get("throughput") or {}).get("gbps")
+        if isinstance(gbps, (int, float)) and lk.get("a") and lk.get("b"):
+            links.append({"link": f"{lk['a']}-{lk['b']}", "src": lk["a"], "dst": lk["b"], "gbps": gbps})
+    at = doc.get("at")
+    return {"at": at if isinstance(at, (int, float)) else None, "links": links}
+
+
+def write_fabric(dep: "Deployment", sh: "HostShell", summary: dict[str, Any]) -> None:
+    """SUMMARY as fabric.json in the head's state folder (atomic; no secret in it)."""
+    path = str(PurePosixPath(state_dir(dep, sh.host)) / FABRIC_FILE)
+    r = sh.run(["sh", "-c", WRITE_SH, "sh", path], timeout=TIMEOUT_S, stdin=json.dumps(summary) + "\n")
+    if r.rc != 0:
+        raise HostFailure(f"cannot write {path} on {sh.host.name}: exit {r.rc}: "
+                          f"{(r.stderr or r.stdout).strip()[-300:]}", rc=r.rc)
 
 
 def read(dep: "Deployment", sh: "HostShell") -> dict[str, Any] | None:

@@ -10,10 +10,8 @@ deployment, sizing and the controller's last fabric check (fabric/cache.py).
 - deployctl:queue_bound{deployment}: requests waiting beyond one full batch (engine max-num-seqs /
   SGLang max-running-requests; the engine's default when the recipe does not set it);
 - deployctl:fabric_speed_bytes{deployment,host,device}: the fabric netdev's negotiated speed at the last
-  passing fabric check, in bytes/s as node_network_speed_bytes counts it;
-- deployctl:fabric_check_timestamp_seconds{deployment}: when that check ran, and
-  deployctl:fabric_link_throughput_bytes{deployment,link,src,dst}: what each link carried (iperf3, a -> b)
-  in it: the last fabric result, next to the node exporter's live counters.
+  passing fabric check, in bytes/s as node_network_speed_bytes counts it (when that check ran and what
+  each link carried are the supervisor's: deployctl_fabric_*).
 """
 from __future__ import annotations
 
@@ -70,14 +68,6 @@ def rules(dep: "Deployment", fabric_doc: dict[str, Any] | None = None) -> list[d
         if h.name in speeds:
             dev, bps = speeds[h.name]
             out.append(_record("deployctl:fabric_speed_bytes", bps, {**lab, "device": dev}))
-    at = (fabric_doc or {}).get("at")
-    if isinstance(at, (int, float)):
-        out.append(_record("deployctl:fabric_check_timestamp_seconds", round(at, 3), {"deployment": d}))
-    for lk in ((fabric_doc or {}).get("report") or {}).get("links") or []:
-        gbps = (lk.get("throughput") or {}).get("gbps")
-        if isinstance(gbps, (int, float)) and lk.get("a") and lk.get("b"):
-            out.append(_record("deployctl:fabric_link_throughput_bytes", round(gbps * GB / 8),
-                               {"deployment": d, "link": f"{lk['a']}-{lk['b']}", "src": lk["a"], "dst": lk["b"]}))
     return out
 
 

@@ -38,12 +38,17 @@ def plan(dep, options: RunOptions):
 
 def apply(dep, actions, ctx):
     from ..executors.shells import run_shells
+    from ..fabric import cache
     from ..launch.results import failure, record
     names = [a.host for a in actions]
     logs = {n: ctx.host_log(n, "supervise") for n in names}
     try:
         try:
-            done = supervision.install(dep, run_shells(dep.cluster, ctx.state))
+            shells = run_shells(dep.cluster, ctx.state)
+            done = supervision.install(dep, shells)
+            fabric = cache.last(str(ctx.run_dir.parent), dep.name)      # where the fabric stage keeps it
+            if fabric:                  # the last fabric result, for the supervisor's /metrics
+                supervision.write_fabric(dep, shells[dep.cluster.head], supervision.fabric_summary(fabric))
         except Exception as e:  # noqa: BLE001 - every host gets the reason
             f = failure(e)
             return [record(ctx, logs[n], "supervise", n, "failed", f"supervisor not installed: {f}", rc=f.rc)
