@@ -51,6 +51,19 @@ class RunOutcome:
         return d
 
 
+SERVES = "health"      # the stage after which what launch started is a deployment that serves
+
+
+def served(outcome: "RunOutcome") -> bool:
+    """Whether OUTCOME's run passed its health check: every stage up to health went well, whatever
+    failed after it. A run that served made a release, even when a later stage failed."""
+    names = [s.name for s in outcome.stages]
+    if SERVES not in names or outcome.status == "cancelled":
+        return False
+    upto = outcome.stages[:names.index(SERVES) + 1]
+    return all(s.status != "failed" for s in upto)
+
+
 def run(plan: Plan, ctx: RunContext, command: str = "up") -> RunOutcome:
     """Apply PLAN. Ctrl-C sets ctx.cancel at once (stages' loops stop within a poll), then runs the
     callables in ctx.state.cleanups; a failed stage runs ctx.state.failure_cleanups."""
@@ -87,6 +100,10 @@ def run(plan: Plan, ctx: RunContext, command: str = "up") -> RunOutcome:
                 status, code = "failed", 1
                 _run_cleanups(ctx, ctx.state.failure_cleanups)
                 break
+            if sp.name == SERVES:
+                # the new engines answered: a later stage's failure (supervise) is said, never undone
+                # by removing a deployment that serves (nothing would run, and no rollback follows)
+                ctx.state.failure_cleanups.clear()
     except KeyboardInterrupt:
         ctx.cancel.set()
         status, code, error = "cancelled", 130, "interrupted (Ctrl-C)"

@@ -274,24 +274,41 @@ def test_missing_revision_or_repo_is_bad_input(cluster, hub, tmp_path, what):
 
 
 def test_hub_unreachable_a_verified_pinned_snapshot_still_serves(cluster, hub, tmp_path):
+    """A commit this head fetched and verified (same allow_patterns) is taken from its cache without
+    asking the Hub at all: a commit never changes, and a rollback to a release's commit must not fail
+    on the Hub (down, a revoked token, a rewritten repository). A branch still asks, and falls back to
+    the verified snapshot, saying so, when the Hub cannot be reached."""
     url, root = hub
     repo = "synthetic/fetch-offline"
     commit = publish(root, repo, make_repo(tmp_path, "offline", shards=1, shard_bytes=2_000_000))
     inv = inventory(cluster, tmp_path, url)
-    pinned = ("fetch-model", "-i", str(inv), "--set", f"model.repo={repo}", "--set", f"model.revision={commit}",
-              "--set", f"engine.image={DEBIAN_IMAGE}", "--json")
-    p = dctl(*pinned)
-    assert p.returncode == 0, p.stderr[-3000:]
-    cluster.stop_hub(cluster.hosts[-1])
-    try:
-        p = dctl(*pinned)
+
+    def run(revision: str) -> dict:
+        p = dctl("fetch-model", "-i", str(inv), "--set", f"model.repo={repo}", "--set", f"model.revision={revision}",
+                 "--set", f"engine.image={DEBIAN_IMAGE}", "--set", 'model.allow_patterns=["*.safetensors", "*.json"]',
+                 "--json")
         assert p.returncode == 0, p.stderr[-3000:]
         doc = json.loads(p.stdout)
         res = next(r for r in results(doc) if r["stage"] == "fetch-model")
-        assert res["status"] == "skipped" and "up to date" in res["message"], res
         plan = json.loads((Path(doc["run_dir"]) / "plan.json").read_text())
-        summary = " ".join(a["summary"] for s in plan["stages"] for a in s["actions"])
-        assert "the Hub did not answer" in summary and plan["checkpoint"]["source"] == "cache", summary
+        return {"result": res, "plan": plan, "summary": " ".join(a["summary"] for s in plan["stages"] for a in s["actions"])}
+
+    def asked() -> int:
+        log = root / "requests.log"
+        return sum(1 for line in log.read_text().splitlines() if repo in line) if log.exists() else 0
+
+    assert run("main")["result"]["status"] == "ok"
+    before = asked()
+    pinned = run(commit)
+    assert pinned["result"]["status"] == "skipped" and "up to date" in pinned["result"]["message"], pinned
+    assert pinned["plan"]["checkpoint"]["source"] == "cache" and asked() == before, "the Hub is not asked"
+    cluster.stop_hub(cluster.hosts[-1])
+    try:
+        pinned = run(commit)
+        assert pinned["result"]["status"] == "skipped" and "did not answer" not in pinned["summary"], pinned
+        branch = run("main")
+        assert branch["result"]["status"] == "skipped" and "the Hub did not answer" in branch["summary"], branch
+        assert branch["plan"]["checkpoint"]["source"] == "cache" and branch["plan"]["checkpoint"]["commit"] == commit
     finally:
         cluster.start_hub(cluster.hosts[-1], root)
 

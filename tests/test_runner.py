@@ -93,3 +93,31 @@ def test_a_stage_plan_without_its_stage_is_an_internal_error(tmp_path):
     out = runner.run(plan, ctx, "up")
     ctx.close()
     assert out.status == "error" and out.exit_code == 1 and "carries no Stage" in out.error
+
+
+def test_a_failure_after_health_leaves_the_served_deployment_running(tmp_path):
+    """launch registers a failure cleanup (it removes what it started); once health passes, the new
+    engines serve: a later stage's failure (supervise) is reported, exit 1, but nothing is removed and
+    the run counts as served (it makes a release). A failure in health still runs the cleanup."""
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
+    removed: list[str] = []
+
+    def launch_apply(d, actions, ctx):
+        ctx.state.failure_cleanups.append(lambda: removed.append("engines"))
+        return _apply(d, actions, ctx)
+
+    def plan_of(health_cmd: str, supervise_cmd: str) -> Plan:
+        def sp(name, cmd, apply=_apply):
+            return StagePlan(name, (Action(name, "spark1", "sh", name, command=(cmd,)),),
+                             stage=Stage(name, lambda d, o: ([], ""), apply))
+        return Plan(dep, (sp("launch", "true", launch_apply), sp("health", health_cmd), sp("supervise", supervise_cmd)))
+
+    ctx = RunContext(tmp_path / "a")
+    out = runner.run(plan_of("true", "exit 4"), ctx, "up")
+    ctx.close()
+    assert out.exit_code == 1 and [s.status for s in out.stages] == ["ok", "ok", "failed"]
+    assert removed == [] and runner.served(out), "the served engines stay; the run made a release"
+    ctx = RunContext(tmp_path / "b")
+    out = runner.run(plan_of("exit 5", "true"), ctx, "up")
+    ctx.close()
+    assert out.exit_code == 1 and removed == ["engines"] and not runner.served(out)

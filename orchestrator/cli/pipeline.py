@@ -16,7 +16,7 @@ from ..outcomes import HostResult, run_per_host
 from ..plan import Action, Plan
 from ..modelfetch.resolve import for_run as resolve_checkpoint
 from ..releases import Release, rollback_sets, short_id
-from ..runner import RunOutcome, describe_failure, run, say_results
+from ..runner import RunOutcome, describe_failure, run, say_results, served
 from ..runoptions import RunOptions
 from ..secrets import mask_override
 from ..runrecord import HostLog, RunContext, new_run_dir
@@ -157,7 +157,7 @@ def _apply(dep: Deployment, plan, command: str, *, as_json: bool, verbose: int, 
     try:
         outcome = run(plan, ctx, command)
         doc = outcome.to_json()
-        if record and outcome.exit_code == 0:
+        if record and served(outcome):         # a later stage's failure (supervise) still made a release
             doc["release"] = record_release(dep, ctx, command, recipe_ref, sets, rollback_of, outcome)
     finally:
         shells, ctx.state.shells = ctx.state.shells, None

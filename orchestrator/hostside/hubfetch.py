@@ -146,11 +146,22 @@ def from_cache(job: dict) -> dict:
     return {"commit": commit, "files": files, "gated": False}
 
 
+def verified_pin(job: dict) -> bool:
+    """Whether the revision is a commit this head fetched and verified with the same allow_patterns:
+    a commit never changes, so its files are what the Hub would list, and the run needs no answer
+    from the Hub (a rollback to a release's commit must not fail on an unreachable Hub, a revoked
+    token or a rewritten repository after the failed run removed what ran)."""
+    rev = job["revision"]
+    rec = load_state(job["state"]).get("commits", {}).get(rev, {}) if COMMIT.fullmatch(rev) else {}
+    return bool(rec.get("files")) and rec.get("allow") == list(job.get("allow") or [])
+
+
 def op_resolve(job: dict) -> dict:
     """The commit and files of the run: from the Hub when asked (a head that cannot reach it falls
-    back to what its cache verified, saying so), else from the cache; then `check` on them."""
+    back to what its cache verified, saying so), else from the cache; then `check` on them. A pinned
+    commit this head verified is taken from its cache without asking (verified_pin)."""
     out: dict = {"source": "cache", "offline": ""}
-    if job.get("ask_hub"):
+    if job.get("ask_hub") and not verified_pin(job):
         try:
             out.update(hub_metadata(job), source="hub")
         except Fail as e:
@@ -499,7 +510,8 @@ def op_fetch(job: dict) -> dict:
                                "blob_id": f["blob_id"], "stat": stat_key(st), "nlink": st.st_nlink}
     _feed_modelsync(job, snap, verified)
     state = load_state(job["state"]) or {"version": STATE_VERSION, "repo": job["repo"], "commits": {}}
-    state["commits"][job["commit"]] = {"revision": job["revision"], "files": verified, "verified_at": time.time()}
+    state["commits"][job["commit"]] = {"revision": job["revision"], "files": verified, "verified_at": time.time(),
+                                       "allow": list(job.get("allow") or [])}
     write_json(job["state"], state)
     return {"commit": job["commit"], "files": len(job["files"]), "fetched": len(todo) - reverified, "reverified": reverified,
             "downloaded_bytes": downloaded, "resumed_bytes": partial, "total_bytes": meter.total,
