@@ -54,6 +54,7 @@ SOCKET = "/run/deployctl/docker.sock"    # the host's Docker socket, mounted her
 ENGINE_LABEL = "deployctl.deployment"     # the engines' label (launch/containers.py)
 LOG_TAIL = 30
 REPORT_EVERY_S = 1.0
+FAST_REPORT_S = 0.2     # while the head restarts the group: agents report (and take orders) this often
 API_KINDS = ("health-failing", "wedge", "serving-errors")
 KINDS = ("rank-exited", "rank-missing", "node-rebooted", "memory-low", *API_KINDS)    # what an incident can be
 STATES = ("watching", "recovering", "degraded", "paused", "waiting", "failed")
@@ -159,6 +160,7 @@ class Finding:
     summary: str
     evidence: dict[str, Any] = field(default_factory=dict)
     act: bool = True       # False: recorded, nothing restarted (rank-missing: someone removed it)
+    at: float = field(default_factory=time.time)     # when it was seen (the incident's time)
 
 
 class Detector:
@@ -392,7 +394,7 @@ class Supervisor:
         self.save_state()
 
     def incident(self, f: Finding, ranks: dict[str, RankView]) -> dict[str, Any]:
-        now = time.time()
+        now = f.at
         inc = {"id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + f"-{f.kind}",
                "deployment": self.cfg["deployment"], "time": now,
                "time_text": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now)),
@@ -446,7 +448,11 @@ class Supervisor:
             self.reports[host] = (time.monotonic(), report)
             if report.get("done"):
                 self.done[host] = report["done"]
-            return {"order": self.orders.get(host)}
+            return {"order": self.orders.get(host), "report_every_s": self.report_every()}
+
+    def report_every(self) -> float:
+        """How often the agents report: fast while a restart waits on their orders and reports."""
+        return FAST_REPORT_S if self.state == "recovering" else REPORT_EVERY_S
 
     def views(self, cached: bool = False) -> dict[str, RankView]:
         """Every rank as last seen: this host's asked of its Docker engine now (CACHED: as the last
@@ -510,7 +516,7 @@ class Supervisor:
         deadline = time.monotonic() + timeout
         why: str | None = "not checked"
         while time.monotonic() < deadline and not self.stopping.is_set():
-            time.sleep(REPORT_EVERY_S)
+            time.sleep(self.report_every())
             why = cond(self.views())
             if why is None:
                 return None
@@ -571,7 +577,7 @@ class Supervisor:
                 act(f"backoff: waiting {delay:g}s before restart {len(self.restarts)}")
                 self.stopping.wait(delay)
             outcome = self.restart_group(act)
-            inc.update(outcome=outcome, recovery_s=round(time.monotonic() - t0, 1))
+            inc.update(outcome=outcome, recovery_s=round(time.time() - f.at, 1))      # from detection
             self.write_incident(inc)
             self.set_state("watching" if outcome == "recovered" else "degraded", "" if outcome == "recovered" else outcome)
         finally:
@@ -654,6 +660,7 @@ class Supervisor:
             return
         if self.state == "paused" and ranks and all(r.container is None for r in ranks.values()):
             return          # nothing deployed any more (a down in progress): keep still
+        looked = time.monotonic()
         if all(r.running for r in ranks.values()):
             hc = self.probe("health", health(cfg["api"], self.key))
         else:                           # the API cannot serve without every rank: /metrics says it is down
@@ -669,8 +676,9 @@ class Supervisor:
             return
         if f.kind in API_KINDS:
             # The API fails first when a rank dies (the head's next request fails at once): look at the
-            # ranks again once every agent has reported since, and name the rank if one stopped.
-            self.stopping.wait(2.5 * REPORT_EVERY_S)
+            # ranks again once every agent has reported since the probes began, and name the rank if
+            # one stopped (a probe that timed out has already waited that long: no wait).
+            self.stopping.wait(max(0.0, 2.5 * REPORT_EVERY_S - (time.monotonic() - looked)))
             again = self.views()
             cause = Detector({**cfg, "mem_floor_kib": 0}).observe(again, None, None, time.monotonic())
             if cause is not None and cause.kind == "rank-exited":
@@ -824,6 +832,7 @@ def agent(cfg: dict[str, Any], state_dir: str, engine: Engine, stopping: threadi
     last_id = None
     url = f"{cfg['head_url']}/v1/sync"
     log(f"agent of {cfg['deployment']} on {cfg['host']}: reporting to {cfg['head_url']}")
+    every = REPORT_EVERY_S
     while not stopping.is_set():
         try:
             v = local.view(mask)
@@ -831,7 +840,9 @@ def agent(cfg: dict[str, Any], state_dir: str, engine: Engine, stopping: threadi
                       "disk_avail": v.disk_avail, "log_tail": v.log_tail, "done": done}
             code, raw = _request(url, token, report, 10)
             if code == 200:
-                order = json.loads(raw).get("order")
+                answer = json.loads(raw)
+                every = min(max(float(answer.get("report_every_s") or REPORT_EVERY_S), FAST_REPORT_S), REPORT_EVERY_S)
+                order = answer.get("order")
                 if order and order.get("id") != last_id:
                     last_id = order["id"]
                     try:
@@ -845,7 +856,7 @@ def agent(cfg: dict[str, Any], state_dir: str, engine: Engine, stopping: threadi
                 log(f"the supervisor answered HTTP {code}")
         except Exception as e:  # noqa: BLE001 - the head may be down: keep reporting, never act alone
             log(f"report failed: {type(e).__name__}: {e}")
-        stopping.wait(REPORT_EVERY_S)
+        stopping.wait(every)
     return 0
 
 

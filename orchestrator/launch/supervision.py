@@ -94,7 +94,7 @@ def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
                 "ranks": {h.name: h.rank for h in c.hosts},
                 "listen": head.address, "port": s.port,
                 "api": {"url": dep.api_url, "served_name": e.served_name, "health_timeout_s": 10.0,
-                        "poll_s": 1.0, "key_id": dep.api_key.key_id if dep.api_key else None},
+                        "poll_s": 0.25, "key_id": dep.api_key.key_id if dep.api_key else None},
                 "wedge": {"interval_s": s.wedge_interval_s, "timeout_s": s.wedge_timeout_s,
                           "max_tokens": s.wedge_max_tokens, "prompt": r.health.prompt},
                 "interval_s": s.interval_s, "health_failures": s.health_failures,
