@@ -124,7 +124,10 @@ def agents(cluster, host: str, deployment: str) -> list[str]:
 
 
 def remove_all(cluster, deployment: str) -> None:
-    """The deployment's supervisors first (they would restart what is removed), then its engines."""
+    """The deployment's supervisors first (they would restart what is removed), then its engines, then
+    its firewall chain on every host (a chain left behind keeps guarding its ports: the supervisor's
+    8790 on node1 stayed closed to the next deployment's Prometheus, whose own chain admitted it)."""
+    from orchestrator.launch import firewall
     for h in cluster.hosts:
         ids = agents(cluster, h.name, deployment)
         if ids:
@@ -133,6 +136,11 @@ def remove_all(cluster, deployment: str) -> None:
         ids = containers(cluster, h.name, deployment)
         if ids:
             _docker(h.docker_host, "rm", "-f", *ids)
+    for h in cluster.hosts:
+        p = subprocess.run(["ip", "netns", "exec", h.netns, "sh", "-c", firewall.REMOVE_SH, "sh",
+                            firewall.chain_name(deployment), firewall.jump_comment(deployment)],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, (h.name, p.stdout, p.stderr)
 
 
 def out(p: subprocess.CompletedProcess) -> str:

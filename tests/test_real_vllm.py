@@ -56,7 +56,7 @@ def leave_nothing(cluster):
     """A failed test leaves no engine or supervisor of this module running for the next tests (a
     supervisor left on node1 holds the supervisor port the next deployment's wants there)."""
     yield
-    for d in ("rv2", "rv1", "rv4", "rvs", "dv1", "dv4"):
+    for d in ("rv2", "rv1", "rv4", "rvs", "rvr", "dv1", "dv4"):
         remove_all(cluster, d)
 
 
