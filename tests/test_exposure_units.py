@@ -115,9 +115,9 @@ def test_the_api_listens_on_the_heads_management_address_unless_the_inventory_wi
 
 # ------------------------------------------------------------------------ the firewall chain (#37)
 
-def _dep(tmp_path, extra: str = ""):
+def _dep(tmp_path, extra: str = "", name: str = "fw"):
     from orchestrator.deployment import load_deployment
-    inv = tmp_path / "fw.yml"
+    inv = tmp_path / f"{name}.yml"
     inv.write_text(INV.format(extra=extra).replace("192.0.2.1, rank: 0", "192.0.2.1, fabric_address: 198.18.0.1/24, rank: 0")
                    .replace("192.0.2.2, rank: 1", "192.0.2.2, fabric_address: 198.18.0.2/24, rank: 1"))
     return load_deployment(inv)
@@ -205,7 +205,7 @@ def test_rules_apply_idempotently_are_read_back_and_removed_with_the_real_iptabl
     try:
         sh = _NetnsShell(ns)
         for _ in range(2):                       # a re-run: one jump, the same rules
-            assert "firewall chain DCTL-" in F.apply_host(sh, rs)
+            assert "firewall chain DCTL-" in F.apply_host(sh, rs)[0]
         for tool in ("iptables", "ip6tables"):
             s = sh.run([tool, "-S"]).stdout
             assert s.count(f"-j {rs.chain}") == 1 and f'--comment "deployctl {dep.name}"' in s, s
@@ -227,6 +227,15 @@ def test_rules_apply_idempotently_are_read_back_and_removed_with_the_real_iptabl
         # a narrower ruleset replaces the chain's rules in one commit
         F.apply_host(sh, F.ruleset(_dep(tmp_path), dep.cluster.hosts[0]))
         assert all(g.low != dep.api_port for g in E.parse_chain(sh.run(["iptables", "-S", rs.chain]).stdout))
+        # another deployment's chain left on this host guards the same supervisor port: said, by name
+        other = F.ruleset(_dep(tmp_path, name="old1"), dep.cluster.hosts[0])
+        port = dep.recipe.supervise.port
+        for a, b, b_name in ((other, rs, dep.name), (rs, other, "old1")):     # each is told of the other
+            clash = F.apply_host(sh, a)[1]
+            assert any(c.startswith(f"deployment {b_name}'s firewall chain ({b.chain}) here also refuses "
+                                    f"tcp {port} ") for c in clash), clash
+        assert "removed iptables chain" in F.remove_host(sh, other.chain, "deployctl old1")
+        assert F.apply_host(sh, rs)[1] == []
         assert "removed iptables chain" in F.remove_host(sh, rs.chain, f"deployctl {dep.name}")
         assert F.remove_host(sh, rs.chain, f"deployctl {dep.name}") == f"no firewall chain {rs.chain}"
         for tool in ("iptables", "ip6tables"):

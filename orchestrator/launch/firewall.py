@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
@@ -188,7 +189,8 @@ APPLY_SH = (_PRE +
             '|| $S iptables -I INPUT 1 -m comment --comment "$4" -j "$3" || exit 4; '
             'if v6; then printf %s "$2" | sed "s/EPHEMERAL/$R/g" | $S ip6tables-restore --noflush || exit 5; '
             '$S ip6tables -C INPUT -m comment --comment "$4" -j "$3" 2>/dev/null '
-            '|| $S ip6tables -I INPUT 1 -m comment --comment "$4" -j "$3" || exit 6; fi')
+            '|| $S ip6tables -I INPUT 1 -m comment --comment "$4" -j "$3" || exit 6; fi; '
+            '$S iptables -S 2>/dev/null; true')      # what else guards this host (other_guards)
 REMOVE_SH = (_PRE +
              'for t in iptables ip6tables; do [ $t = iptables ] || v6 || continue; '
              'command -v $t >/dev/null 2>&1 || continue; '
@@ -198,10 +200,11 @@ REMOVE_SH = (_PRE +
 READ_SH = _PRE + '$S iptables -S "$1" 2>/dev/null; true'     # "" when the chain is not there
 
 
-def apply_host(sh: "HostShell", rs: Ruleset) -> str:
-    """Install RS on its host (idempotent), or remove the deployment's chain when RS is empty."""
+def apply_host(sh: "HostShell", rs: Ruleset) -> tuple[str, list[str]]:
+    """Install RS on its host (idempotent), or remove the deployment's chain when RS is empty; returns
+    what was done and what other deployments' chains refuse on RS's ports (other_guards)."""
     if rs.empty:
-        return remove_host(sh, rs.chain, rs.comment)
+        return remove_host(sh, rs.chain, rs.comment), []
     r = sh.run(["sh", "-c", APPLY_SH, "sh", rs.v4, rs.v6, rs.chain, rs.comment], timeout=TIMEOUT_S)
     if r.rc != 0:
         step = {3: "iptables-restore", 4: "iptables -I INPUT", 5: "ip6tables-restore",
@@ -209,7 +212,28 @@ def apply_host(sh: "HostShell", rs: Ruleset) -> str:
         raise RuntimeError(f"firewall rules of {rs.comment} not installed: {step} failed (exit {r.rc}): "
                            f"{(r.stderr or r.stdout).strip()[-300:]}; deployctl needs root or passwordless "
                            "sudo and iptables on the host (or set all.vars.firewall: none)")
-    return f"firewall chain {rs.chain}: " + "; ".join(rs.summary)
+    return f"firewall chain {rs.chain}: " + "; ".join(rs.summary), other_guards(r.stdout, rs)
+
+
+_JUMP = re.compile(r'^-A INPUT -m comment --comment "deployctl (\S+)" -j (DCTL-[0-9a-f]+)\s*$')
+_REJECT = re.compile(r'^-A (DCTL-[0-9a-f]+) .*--dport (\d+) .*-j REJECT')
+_OWN_PORT = re.compile(r'--dport (\d+) .*-j REJECT')
+
+
+def other_guards(rules: str, rs: Ruleset) -> list[str]:
+    """What another deployment's chain on this host refuses on a port RS guards (RULES: `iptables -S`).
+    A packet must pass every chain INPUT jumps to, so a chain left by a deployment that was never taken
+    down keeps refusing on its ports whatever this deployment admits (its Prometheus host, say). Pure."""
+    lines = rules.splitlines()
+    owner = {m.group(2): m.group(1) for m in map(_JUMP.match, lines) if m and m.group(2) != rs.chain}
+    mine = {int(m.group(1)) for m in map(_OWN_PORT.search, rs.v4.splitlines()) if m}
+    seen: dict[tuple[str, int], None] = {}
+    for m in map(_REJECT.match, lines):
+        if m and m.group(1) in owner and int(m.group(2)) in mine:
+            seen[(owner[m.group(1)], int(m.group(2)))] = None
+    return [f"deployment {dep}'s firewall chain ({chain_name(dep)}) here also refuses tcp {port} to all but "
+            f"its own sources: only what both admit gets through (a deployment never taken down? `deployctl "
+            f"down` it, or give this one another port)" for dep, port in seen]
 
 
 def remove_host(sh: "HostShell", chain: str, comment: str) -> str:

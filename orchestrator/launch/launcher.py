@@ -287,8 +287,12 @@ class _Launch:
         return out
 
     def guard(self, name: str, detected: dict[str, tuple[str, str]]) -> str:
-        msg = firewall.apply_host(self.shells[name], firewall.ruleset(self.dep, self.dep.cluster.host(name), detected))
+        msg, clash = firewall.apply_host(self.shells[name],
+                                         firewall.ruleset(self.dep, self.dep.cluster.host(name), detected))
         self.logs[name].write(msg)
+        for c in clash:
+            self.logs[name].write(f"WARNING: {c}")
+            self.ctx.say(f"  [yellow]{name}: {escape(c)}[/yellow]")
         return msg
 
     def create(self, name: str, spec: ContainerSpec, env: dict[str, str]) -> str:
