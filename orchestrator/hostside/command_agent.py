@@ -28,8 +28,9 @@ Locks: {"lock": PATH, "holder": TEXT, "wait": S} takes flock(2) LOCK_EX|LOCK_NB 
 (default 0) while another process holds it: the supervisor's check holds it for microseconds; on
 success TEXT replaces the file's content (who holds it) and the answer is {"rc": 0}; when another
 process still holds it, {"rc": 75, "out": base64 of the file} (75: what `flock -E 75` exits with).
-{"unlock": PATH} lets it go. A lock lives in this process (its fd is close-on-exec, and forked programs close it first), so it ends
-with the agent: when the controller closes the channel, or dies and sshd ends the session.
+{"unlock": PATH} lets it go. A lock lives in this process (its fd is close-on-exec, and forked
+programs close it first), so it ends with the agent: when the controller closes the channel, or
+dies and sshd ends the session.
 """
 from __future__ import annotations
 

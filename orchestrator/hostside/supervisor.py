@@ -705,8 +705,8 @@ class Supervisor:
     def metrics(self) -> str:
         """GET /metrics: what the supervisor knows, in Prometheus' text format (docs/monitoring.md).
         This host's rank as the loop last saw it: a scrape never waits on the Docker engine, whose
-        container list blocks while a container of it is being stopped (up to the stop timeout, far
-        past a scrape's timeout, which left the target down through a restart)."""
+        container list can block while a container of it is being stopped (up to the stop timeout,
+        far past a scrape's timeout)."""
         cfg, dep = self.cfg, self.cfg["deployment"]
         ranks = self.views(cached=True)
         rank_of = cfg.get("ranks") or {}
@@ -841,7 +841,8 @@ def agent(cfg: dict[str, Any], state_dir: str, engine: Engine, stopping: threadi
             code, raw = _request(url, token, report, 10)
             if code == 200:
                 answer = json.loads(raw)
-                every = min(max(float(answer.get("report_every_s") or REPORT_EVERY_S), FAST_REPORT_S), REPORT_EVERY_S)
+                asked = float(answer.get("report_every_s") or REPORT_EVERY_S)
+                every = min(max(asked, FAST_REPORT_S), REPORT_EVERY_S)      # never faster, never slower
                 order = answer.get("order")
                 if order and order.get("id") != last_id:
                     last_id = order["id"]

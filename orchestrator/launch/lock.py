@@ -2,8 +2,9 @@
 
 flock(2) on LOCKFILE, taken after at most GRACE_S of waiting (the head's supervisor checks the lock
 by taking it for an instant every tick, hostside/supervisor.py lock_busy: a run that met that instant
-was refused, "holder unknown"; a real holder keeps it far longer), with the holder written into the file (so a refused
-run can say who holds it), held by a process that lives as long as our SSH session to the head:
+was refused, "holder unknown"; a real holder keeps it far longer), with the holder written into the
+file (so a refused run can say who holds it), held by a process that lives as long as our SSH
+session to the head:
 - on a shared connection (every CLI command, executors/ssh_pool.py), the head's command agent holds
   it (hostside/command_agent.py take_lock): no login shell of its own;
 - else (no agent on the head, library use) the session runs
@@ -88,7 +89,8 @@ class HeadLock:
         try:
             self._ex = self._session.open_exec(cmd, idle_timeout=self.timeout)
             # `cat` holds the lock while stdin stays open: read until LOCKED, never close stdin here
-            rc = self._ex.read(timeout=self.timeout + GRACE_S, until=lambda kind, line: line.strip() == "LOCKED")
+            rc = self._ex.read(timeout=self.timeout + GRACE_S,
+                               until=lambda kind, line: line.strip() == "LOCKED")
         except SSHError as e:
             self.release()
             raise StageFailed(f"cannot take the deployment lock {path} on the head {head}: {e}") from None
