@@ -92,7 +92,9 @@ def inventory(cluster, hub, d: Path, deployment: str, hosts, port: int, master_p
     for rank, h in enumerate(hosts):              # a subset of the cluster: ranks 0..N-1, its first host the head
         data["all"]["hosts"][h.name]["rank"] = rank
     v = data["all"]["vars"]
-    v["recipe_overrides"].update({"engine.master_port": master_port, **(overrides or {})})
+    # health.stay_up_s 3 (default 10): the stay-up wait is the double's to test (test_launch); here
+    # it would add 7 s to each of the tier's engine starts
+    v["recipe_overrides"].update({"engine.master_port": master_port, "health.stay_up_s": 3, **(overrides or {})})
     d.mkdir(parents=True, exist_ok=True)
     return _write(d / f"{deployment}.yml", data, {"api_port": port, "run_dir": str(d / "runs"), **more_vars})
 
@@ -386,7 +388,8 @@ def test_tp1_api_key_reaches_the_real_middleware(cluster, vllm_image, hub, tmp_p
     # about 2.3 tokens each): what reaches the engine is about input_tokens tokens beyond the chat
     # template, which the first probe (the salt words alone) measures (loadgen.size_prompt)
     with watched_by_prometheus(cluster, inv, tmp_path / "prometheus", "rv1") as prom:
-        served = 'sum(vllm:request_success_total{deployment="rv1"})'
+        counter = 'vllm:request_success_total{deployment="rv1"}'
+        served = f"sum({counter})"
         before = prom.value(served)
         assert before is not None, "the engine's own request counter is scraped"
         p = dctl("bench", "-i", str(inv), "--concurrency", "1", "--rounds", "2", "--input-tokens", "32",
@@ -397,8 +400,12 @@ def test_tp1_api_key_reaches_the_real_middleware(cluster, vllm_image, hub, tmp_p
         assert size["tokens_per_word"] > 1.2 and size["words"] < 32 and lv["errors"] == 0, (size, lv)
         template = size["probe_prompt_tokens"][0] - SALT_WORDS * size["tokens_per_word"]
         assert abs(lv["prompt_tokens"] - template - 32) <= 0.15 * 32 + size["tokens_per_word"], (size, lv)
-        after = prom.wait("the request count rises after the bench",
-                          lambda: (v := prom.value(served)) is not None and v >= before + lv["completed"] and v, 30)
+        # a scrape taken after the bench returned: one taken during it (between its sizing probes and
+        # its measured requests) already shows `completed` more requests but none of their decode steps
+        ended = time.time()
+        prom.wait("a scrape after the bench", lambda: (prom.value(f"max(timestamp({counter}))") or 0) > ended, 30)
+        after = prom.value(served)
+        assert after >= before + lv["completed"], (before, after, lv)
         FOUND["prometheus_requests"] = (before, after)
         dashboards_answer(prom, "rv1")
         engine_down_alert_fires_and_resolves(cluster, prom, inv, "rv1")
