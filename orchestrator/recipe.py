@@ -307,6 +307,10 @@ class SuperviseSpec:
     # not exit on SIGTERM (bench/supervisor.py: 10 s of a 26 s restart overhead were this wait)
     stop_timeout_s: int = 3
     keep_incidents: int = 50
+    # after giving up, bring back the previous release: an `up` that replaces a serving group keeps
+    # its containers, stopped, as <name>-prev on every host (their disk layers only), and the
+    # supervisor starts them again if the new release fails for good (docs/supervisor.md)
+    rollback: bool = False
 
     def validate(self, path: str, file: str) -> None:
         checks.fields(self, path, file, port=("port",),

@@ -42,13 +42,13 @@ def incidents(inv) -> dict:
 
 
 def wait_incident(inv, n: int, outcome: str | None = None, timeout: float = 120) -> dict:
-    """The Nth incident (1-based), once it has an outcome other than `open` (or OUTCOME)."""
+    """The Nth incident (1-based), once it has an outcome other than `open` (or one starting with OUTCOME)."""
     end = time.monotonic() + timeout
     seen = None
     while time.monotonic() < end:
         seen = incidents(inv)
         items = seen["incidents"]
-        if len(items) >= n and items[n - 1]["outcome"] != "open" and (outcome is None or items[n - 1]["outcome"] == outcome):
+        if len(items) >= n and items[n - 1]["outcome"] != "open" and (outcome is None or items[n - 1]["outcome"].startswith(outcome)):
             return items[n - 1]
         time.sleep(1)
     raise AssertionError(f"no incident #{n} with an outcome within {timeout:g}s: {json.dumps(seen)[-3000:]}")
@@ -180,4 +180,65 @@ def test_the_supervisor_restarts_the_group_survives_its_crash_and_an_engine_rest
     time.sleep(3)
     for h in (head, worker):
         assert supervisors(cluster, h) == [] and engines(cluster, h) == [], f"{h.name}: left behind"
+    _forget_releases(cluster, inv)
+
+
+def names(cluster, host, deployment: str = DEP) -> dict[str, dict]:
+    return {d["Name"].lstrip("/"): d for d in engines(cluster, host, deployment)}
+
+
+def test_with_rollback_a_release_that_fails_for_good_gives_way_to_the_previous_one(cluster, hub, double_image,
+                                                                                     tmp_path):
+    """supervise.rollback: the up that replaces a serving release 1 keeps its containers, stopped, as
+    <name>-prev on each host; release 2 serves, then crashes after every start: one restart, then the
+    supervisor gives up and starts release 1's containers again, in up's order; it serves, recorded as
+    release 3 (a rollback of 1). down removes the kept generation too."""
+    head, worker = cluster.hosts[2], cluster.hosts[3]
+    inv = inventory(cluster, hub, tmp_path, DEP, [head, worker], PORT, MASTER,
+                    {"engine.image": DOUBLE_IMAGE, "engine.env.DOUBLE_LOAD_S": "1", "health.startup_timeout_s": 120,
+                     "health.stay_up_s": 1, "supervise.interval_s": 1, "supervise.backoff_s": 1,
+                     "supervise.max_restarts": 1, "supervise.window_s": 900, "supervise.rollback": True})
+    _forget_releases(cluster, inv)
+    for h in (head, worker):
+        for d in supervisors(cluster, h) + engines(cluster, h):
+            _docker(h.docker_host, "rm", "-f", d["Id"])
+    p = up(inv, "--skip", "build", timeout=300)
+    assert p.returncode == 0, out(p)
+    first = {h.name: names(cluster, h)["deployctl-sv2"]["Id"] for h in (head, worker)}
+    wait_state(inv, "watching")
+
+    crash = ("--set", "engine.env.DOUBLE_FAIL=crash-later", "--set", "engine.env.DOUBLE_CRASH_AFTER_S=4")
+    p = up(inv, "--skip", "build", *crash, "--json", timeout=300)
+    assert p.returncode == 0, out(p)
+    assert json.loads(p.stdout)["release"]["number"] == 2
+    for h in (head, worker):
+        kept = names(cluster, h)
+        assert set(kept) == {"deployctl-sv2", "deployctl-sv2-prev"}, (h.name, sorted(kept))
+        prev = kept["deployctl-sv2-prev"]
+        assert prev["Id"] == first[h.name] and not prev["State"]["Running"], (h.name, prev["State"])
+    st = json.loads(dctl("status", "-i", str(inv), "--json", timeout=60).stdout)
+    assert [len(x["containers"]) for x in st["hosts"]] == [1, 1], "status counts the serving generation only"
+
+    inc = wait_incident(inv, 2, outcome="gave up; ", timeout=180)
+    assert inc["outcome"] == "gave up; rolled back to release 1 (now release 3)", inc
+    steps = [a["what"] for a in inc["actions"]]
+    assert any(s.startswith("rolling back to release 1") for s in steps), steps
+    assert [s for s in steps if s.startswith("starting")] == [f"starting {worker.name}", f"starting {head.name}"], steps
+    st = wait_state(inv, "watching")
+    assert "rolled back to release 1" in st["detail"], st
+    p = dctl("status", "-i", str(inv), timeout=60)
+    assert "Supervisor: watching (rolled back to release 1 (now release 3)" in " ".join(p.stdout.split()), out(p)
+    for h in (head, worker):
+        (c,) = names(cluster, h).values()
+        assert c["Id"] == first[h.name] and c["Name"] == "/deployctl-sv2" and c["State"]["Running"], (h.name, c["State"])
+        assert not any(e.startswith("DOUBLE_FAIL=") for e in c["Config"]["Env"]), "release 1's own settings"
+    assert chat(head) == 200
+    hist = json.loads(dctl("history", "-i", str(inv), "--json", timeout=60).stdout)["releases"]
+    assert [(r["number"], r["rollback_of"], r["command"]) for r in hist][-1] == (3, 1, "supervisor"), hist
+    assert hist[-1]["specs"] == hist[0]["specs"]
+
+    p = dctl("down", "-i", str(inv), timeout=120)
+    assert p.returncode == 0, out(p)
+    for h in (head, worker):
+        assert engines(cluster, h) == [], f"{h.name}: the kept generation left behind"
     _forget_releases(cluster, inv)

@@ -200,3 +200,35 @@ def test_a_scrape_never_waits_on_the_docker_engine(tmp_path):
     assert 'deployctl_rank_running{deployment="d",host="h1",rank="0"} 1' in lines
     (age,) = [float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("deployctl_rank_report_age_seconds{")]
     assert age >= 0.05, "the head's sample says how old it is"
+
+
+def test_the_rollback_target_is_the_release_the_kept_containers_are():
+    """supervise.rollback: every rank's kept generation must carry one earlier release's spec, map the
+    tables staged now, and that release must have served the checkpoint the nodes hold now."""
+    ckpt = {"repo": "org/m", "commit": "c1"}
+    hist = [{"number": 1, "specs": {"h1": "s1", "h2": "t1"}, "checkpoint": ckpt},
+            {"number": 2, "specs": {"h1": "s2", "h2": "t2"}, "checkpoint": ckpt},
+            {"number": 3, "specs": {"h1": "s3", "h2": "t3"}, "checkpoint": ckpt}]
+
+    def ranks(kept, tables=("", "")):
+        out = {}
+        for (h, spec), tab in zip(kept.items(), tables):
+            r = rank(h)
+            r.container["tables"] = ""
+            r.previous = None if spec is None else {"name": f"deployctl-d{S.PREVIOUS_SUFFIX}", "spec": spec, "tables": tab}
+            out[h] = r
+        return out
+    target, why = S.rollback_target(hist, ranks({"h1": "s2", "h2": "t2"}))
+    assert target["number"] == 2 and why == ""
+    assert S.rollback_target(hist, ranks({"h1": "s2", "h2": None})) == (None, "no previous generation kept on h2")
+    assert S.rollback_target(hist, ranks({"h1": "s2", "h2": "t1"}))[1] == "the kept containers are no earlier release's"
+    assert S.rollback_target(hist, ranks({"h1": "s3", "h2": "t3"}))[0] is None, "the current release is no rollback"
+    assert "tables staged on h2 changed" in S.rollback_target(hist, ranks({"h1": "s2", "h2": "t2"}, ("", "x")))[1]
+    moved = [*hist[:2], {**hist[2], "checkpoint": {"repo": "org/m", "commit": "c2"}}]
+    assert "another checkpoint" in S.rollback_target(moved, ranks({"h1": "s2", "h2": "t2"}))[1]
+    assert S.rollback_target([], ranks({"h1": "s2", "h2": "t2"})) == (None, "no release history")
+
+
+def test_the_suffixes_agree_with_launch():
+    from orchestrator.launch import containers, containerspec
+    assert S.PREVIOUS_SUFFIX == containers.PREVIOUS_SUFFIX and S.TABLES_LABEL == containerspec.TABLES_LABEL

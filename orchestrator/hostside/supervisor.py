@@ -52,6 +52,8 @@ from .metrics import CONTENT_TYPE, Family, render
 
 SOCKET = "/run/deployctl/docker.sock"    # the host's Docker socket, mounted here
 ENGINE_LABEL = "deployctl.deployment"     # the engines' label (launch/containers.py)
+TABLES_LABEL = "deployctl.tables"         # the staged tables' digests a rank maps (launch/containerspec.py)
+PREVIOUS_SUFFIX = "-prev"                 # the generation an up replaced, kept stopped (launch/containers.py)
 LOG_TAIL = 30
 REPORT_EVERY_S = 1.0
 FAST_REPORT_S = 0.2     # while the head restarts the group: agents report (and take orders) this often
@@ -96,6 +98,16 @@ class Engine(EngineAPI):
         if status not in (204, 304):
             raise OSError(f"docker start {cid[:12]}: HTTP {status}: {body[:200]!r}")
 
+    def remove(self, cid: str) -> None:
+        status, body = self._call("DELETE", f"/containers/{cid}?force=1", timeout=60)
+        if status not in (204, 404):
+            raise OSError(f"docker rm {cid[:12]}: HTTP {status}: {body[:200]!r}")
+
+    def rename(self, cid: str, name: str) -> None:
+        status, body = self._call("POST", f"/containers/{cid}/rename?{urllib.parse.urlencode({'name': name})}")
+        if status != 204:
+            raise OSError(f"docker rename {cid[:12]} {name}: HTTP {status}: {body[:200]!r}")
+
     def logs_tail(self, cid: str, n: int = LOG_TAIL) -> list[str]:
         status, body = self._call("GET", f"/containers/{cid}/logs?stdout=1&stderr=1&tail={n}")
         if status != 200:
@@ -125,6 +137,7 @@ class RankView:
     age_s: float = 0.0                  # since the report (0 for the head's own rank)
     log_tail: list[str] = field(default_factory=list)
     disk_avail: int | None = None       # bytes free where the state folder is (the host's NVMe folder)
+    previous: dict[str, Any] | None = None      # the generation an up replaced, kept stopped (rollback)
 
     @property
     def running(self) -> bool:
@@ -138,7 +151,8 @@ def container_view(doc: dict[str, Any]) -> dict[str, Any]:
             "status": st.get("Status", ""), "exit_code": int(st.get("ExitCode") or 0),
             "oom_killed": bool(st.get("OOMKilled")), "error": st.get("Error") or "",
             "started_at": st.get("StartedAt", ""), "finished_at": st.get("FinishedAt", ""),
-            "spec": labels.get("deployctl.spec", ""), "image": doc.get("Image", "")}
+            "spec": labels.get("deployctl.spec", ""), "image": doc.get("Image", ""),
+            "tables": labels.get(TABLES_LABEL, "")}
 
 
 def exit_text(c: dict[str, Any]) -> str:
@@ -152,6 +166,30 @@ def exit_text(c: dict[str, Any]) -> str:
     oom = ", OOM-killed by the kernel" if c.get("oom_killed") else ""
     err = f", {c['error']}" if c.get("error") else ""
     return f"{c.get('status')} with exit code {code}{sig}{oom}{err}"
+
+
+def rollback_target(history: list[dict[str, Any]], ranks: dict[str, "RankView"]) -> tuple[dict[str, Any] | None, str]:
+    """The release the kept previous generation is (every rank's kept container has that release's
+    spec), or why there is none to go back to: it must be an earlier release than the current one,
+    map the tables staged now and have served the checkpoint the nodes hold now."""
+    if not history:
+        return None, "no release history"
+    cur = history[-1]
+    missing = sorted(n for n, r in ranks.items() if not r.previous)
+    if missing:
+        return None, f"no previous generation kept on {', '.join(missing)}"
+    kept = {n: r.previous.get("spec", "") for n, r in ranks.items()}
+    match = [x for x in history[:-1] if {n: (x.get("specs") or {}).get(n, "") for n in ranks} == kept]
+    if not match or kept == {n: (cur.get("specs") or {}).get(n, "") for n in ranks}:
+        return None, "the kept containers are no earlier release's"
+    target = match[-1]
+    moved = sorted(n for n, r in ranks.items() if r.container and r.previous.get("tables", "") != r.container.get("tables", ""))
+    if moved:
+        return None, f"the tables staged on {', '.join(moved)} changed since release {target['number']}"
+    if (target.get("checkpoint") or {}) != (cur.get("checkpoint") or {}):
+        return None, (f"release {target['number']} served another checkpoint than the nodes hold now "
+                      f"(release {cur['number']})")
+    return target, ""
 
 
 @dataclass
@@ -313,19 +351,32 @@ class Local:
         self.cfg, self.engine = cfg, engine
         self.boot_id_file = cfg.get("boot_id_file") or "/proc/sys/kernel/random/boot_id"
 
+    def generations(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The rank's container and the previous generation kept beside it (None: none)."""
+        docs = [container_view(d) for d in self.engine.containers(self.cfg["deployment"])]
+        prev = [c for c in docs if c["name"].endswith(PREVIOUS_SUFFIX)]
+        docs = sorted((c for c in docs if c not in prev), key=lambda c: c["status"] == "running")   # running last
+        return (docs[-1] if docs else None), (prev[0] if prev else None)
+
     def container(self) -> dict[str, Any] | None:
-        docs = self.engine.containers(self.cfg["deployment"])
-        docs.sort(key=lambda d: (d.get("State") or {}).get("Running", False))     # a running one last
-        return container_view(docs[-1]) if docs else None
+        return self.generations()[0]
 
     def view(self, mask: Callable[[str], str]) -> RankView:
-        c = self.container()
+        c, prev = self.generations()
         tail = [mask(x) for x in self.engine.logs_tail(c["id"])] if c and c["status"] != "running" else []
         return RankView(self.cfg["host"], c, read_file(self.boot_id_file), mem_available_kib(), 0.0, tail,
-                        disk_avail(self.cfg.get("disk_path") or "/state"))
+                        disk_avail(self.cfg.get("disk_path") or "/state"), prev)
 
     def do(self, verb: str) -> str:
-        c = self.container()
+        c, prev = self.generations()
+        if verb == "swap":          # the rollback: the kept generation takes the current one's place
+            if prev is None:
+                raise OSError(f"no previous generation of {self.cfg['deployment']} on {self.cfg['host']}")
+            name = prev["name"][:-len(PREVIOUS_SUFFIX)]
+            if c is not None:
+                self.engine.remove(c["id"])
+            self.engine.rename(prev["id"], name)
+            return f"removed {c['name'] if c else 'nothing'}; {prev['name']} is {name} again"
         if c is None:
             raise OSError(f"no container of {self.cfg['deployment']} on {self.cfg['host']}")
         if verb == "stop":
@@ -370,6 +421,7 @@ class Supervisor:
         self.last_wedge = 0.0
         self.stopping = threading.Event()
         self.local_seen: tuple[float, RankView] | None = None       # the last look at this host's rank
+        self.locks: dict[str, int] = {}                              # the deployment's lock while acting
 
     # -- state and incidents -----------------------------------------------------------------
     def load_state(self) -> dict[str, Any]:
@@ -412,14 +464,9 @@ class Supervisor:
         return inc
 
     def release(self) -> Any:
-        try:
-            hist = json.loads(read_file(self.cfg["release_history"], "[]") or "[]")
-        except ValueError:
-            return None
-        items = hist.get("releases", []) if isinstance(hist, dict) else hist
-        last = items[-1] if items else None
+        last = (self.history() or [None])[-1]
         return {k: last.get(k) for k in ("number", "time", "image_id", "command", "rollback_of", "specs")
-                if k in last} if isinstance(last, dict) else None      # orchestrator/releases.py Release.to_json
+                if k in last} if last else None
 
     def fabric(self) -> dict[str, Any]:
         """The last fabric result `up` left beside the state (launch/supervision.py fabric_summary)."""
@@ -471,7 +518,7 @@ class Supervisor:
                 if r is None:
                     continue
                 out[h] = RankView(h, r.get("container"), r.get("boot_id", ""), r.get("mem_kib"), now - t,
-                                  r.get("log_tail") or [], r.get("disk_avail"))
+                                  r.get("log_tail") or [], r.get("disk_avail"), r.get("previous"))
         return out
 
     def silent(self) -> list[str]:
@@ -545,28 +592,13 @@ class Supervisor:
             return
         self.restarts = [t for t in self.restarts if now - t < cfg["window_s"]]
         if len(self.restarts) >= cfg["max_restarts"]:
-            inc.update(outcome="gave up", actions=[{"t": 0, "what": f"{len(self.restarts)} restarts in the last "
-                                                              f"{cfg['window_s']:g}s: not trying again"}])
-            self.write_incident(inc)
-            self.failed_ids = sorted((r.container or {}).get("id", "") for r in ranks.values())
-            self.set_state("failed", f"gave up after {len(self.restarts)} restarts in {cfg['window_s']:g}s "
-                                     f"(last: {inc['summary']}); run `deployctl up` to start it again")
+            self.give_up(f, inc, ranks)
             return
-        holder = cfg["lock_file"]
-        locks: dict[str, int] = {}
-        r = take_lock(locks, holder, f"deployctl supervisor on {cfg['host']} pid {os.getpid()} since "
-                                     f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
-        if r["rc"] != 0:
+        act = self.locked(inc)
+        if act is None:
             inc.update(outcome="not restarted: the deployment's lock is held (a deployctl command runs)")
             self.write_incident(inc)
             return
-        t0 = time.monotonic()
-        actions = inc["actions"]
-
-        def act(what: str) -> None:
-            actions.append({"t": round(time.monotonic() - t0, 2), "what": self.mask(what)})
-            log(what)
-            self.write_incident(inc)
         try:
             delay = 0.0 if not self.restarts else min(cfg["backoff_max_s"], cfg["backoff_s"] * 2 ** (len(self.restarts) - 1))
             self.restarts.append(now)
@@ -581,8 +613,100 @@ class Supervisor:
             self.write_incident(inc)
             self.set_state("watching" if outcome == "recovered" else "degraded", "" if outcome == "recovered" else outcome)
         finally:
-            drop_lock(locks, holder)
+            self.unlock()
             self.detector.reset()
+
+    def locked(self, inc: dict[str, Any]) -> Callable[[str], None] | None:
+        """Take the deployment's lock (None: a deployctl command holds it); returns how each step
+        is recorded in INC's actions (offsets from now). unlock() lets it go."""
+        cfg = self.cfg
+        r = take_lock(self.locks, cfg["lock_file"], f"deployctl supervisor on {cfg['host']} pid {os.getpid()} "
+                                                    f"since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+        if r["rc"] != 0:
+            return None
+        t0 = time.monotonic()
+
+        def act(what: str) -> None:
+            inc["actions"].append({"t": round(time.monotonic() - t0, 2), "what": self.mask(what)})
+            log(what)
+            self.write_incident(inc)
+        return act
+
+    def unlock(self) -> None:
+        drop_lock(self.locks, self.cfg["lock_file"])
+
+    def give_up(self, f: Finding, inc: dict[str, Any], ranks: dict[str, RankView]) -> None:
+        """The budget is spent: stop trying; with supervise.rollback, bring the previous release back."""
+        cfg = self.cfg
+        spent = f"{len(self.restarts)} restarts in the last {cfg['window_s']:g}s"
+        inc.update(outcome="gave up", actions=[{"t": 0, "what": f"{spent}: not trying again"}])
+        self.write_incident(inc)
+        why = f"gave up after {spent} (last: {inc['summary']})"
+        if cfg.get("rollback"):
+            history = self.history()
+            target, no = rollback_target(history, ranks)
+            if target is None:
+                inc["actions"].append({"t": 0, "what": f"no rollback: {no}"})
+                why += f"; no rollback: {no}"
+            else:
+                act = self.locked(inc)
+                if act is None:
+                    why += "; no rollback: the deployment's lock is held (a deployctl command runs)"
+                else:
+                    try:
+                        self.set_state("recovering", f"{why}; rolling back to release {target['number']}")
+                        outcome = self.roll_back(target, act)
+                    finally:
+                        self.unlock()
+                        self.detector.reset()
+                    inc.update(outcome=f"gave up; {outcome}", recovery_s=round(time.time() - f.at, 1))
+                    self.write_incident(inc)
+                    if outcome.startswith("rolled back"):
+                        self.restarts, self.failed_ids = [], []
+                        self.set_state("watching", f"{outcome}: release {history[-1]['number']} {why}")
+                        return
+                    why += f"; {outcome}"
+            self.write_incident(inc)
+        views = self.views()
+        self.failed_ids = sorted((r.container or {}).get("id", "") for r in views.values())
+        self.set_state("failed", f"{why}; run `deployctl up` (or `deployctl rollback`) to start it again")
+
+    def roll_back(self, target: dict[str, Any], act: Callable[[str], None]) -> str:
+        """Every rank's kept generation (release TARGET) in place of the failed one, started as `up`
+        starts a group; recorded as a new release when it serves."""
+        everyone = [self.cfg["host"], *self.cfg["workers"]]
+        act(f"rolling back to release {target['number']}: its containers, kept stopped on every host")
+        bad = self.order(everyone, "swap", self.cfg["stop_timeout_s"] + 60)
+        if bad:
+            return "rollback failed: " + "; ".join(f"{h}: {p}" for h, p in bad.items())
+        outcome = self.restart_group(act)
+        if outcome != "recovered":
+            return f"rollback to release {target['number']} failed: {outcome}"
+        number = self.record_rollback(target)
+        act(f"recorded release {number} (rollback of {target['number']})")
+        return f"rolled back to release {target['number']} (now release {number})"
+
+    def history(self) -> list[dict[str, Any]]:
+        """The deployment's releases, oldest first (orchestrator/releases.py dump/Release.to_json)."""
+        try:
+            doc = json.loads(read_file(self.cfg["release_history"], "{}") or "{}")
+        except ValueError:
+            return []
+        items = doc.get("releases", []) if isinstance(doc, dict) else doc
+        return sorted((r for r in items if isinstance(r, dict) and "number" in r), key=lambda r: r["number"])
+
+    def record_rollback(self, target: dict[str, Any]) -> int:
+        """A release that is TARGET again (as `deployctl rollback` records one), written atomically
+        under the lock this process holds (launch/release_store.py writes the same file the same way)."""
+        path = self.cfg["release_history"]
+        doc = json.loads(read_file(path, "{}") or "{}")
+        items = doc.get("releases") or []
+        number = max((int(r["number"]) for r in items), default=0) + 1
+        items.append({**target, "number": number, "time": time.time(), "command": "supervisor",
+                      "rollback_of": target["number"], "run_dir": "", "overrides": list(target.get("overrides") or [])})
+        doc["releases"] = items
+        atomic_write_text(path, json.dumps(doc, indent=2) + "\n")
+        return number
 
     def restart_group(self, act: Callable[[str], None]) -> str:
         cfg = self.cfg
@@ -671,8 +795,8 @@ class Supervisor:
             self.last_wedge = time.monotonic()
             wedge = self.probe("completion", completion(cfg["api"], cfg["wedge"], self.key))
         f = self.detector.observe(ranks, hc, wedge, time.monotonic())
-        if f is None:
-            self.set_state("watching")
+        if f is None:       # a note of watching (a rollback) stays until something else happens
+            self.set_state("watching", self.detail if self.state == "watching" else "")
             return
         if f.kind in API_KINDS:
             # The API fails first when a rank dies (the head's next request fails at once): look at the
@@ -837,7 +961,7 @@ def agent(cfg: dict[str, Any], state_dir: str, engine: Engine, stopping: threadi
         try:
             v = local.view(mask)
             report = {"host": cfg["host"], "container": v.container, "boot_id": v.boot_id, "mem_kib": v.mem_kib,
-                      "disk_avail": v.disk_avail, "log_tail": v.log_tail, "done": done}
+                      "disk_avail": v.disk_avail, "log_tail": v.log_tail, "previous": v.previous, "done": done}
             code, raw = _request(url, token, report, 10)
             if code == 200:
                 answer = json.loads(raw)

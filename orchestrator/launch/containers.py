@@ -99,14 +99,22 @@ def _container(doc: dict[str, Any], host_now: float | None) -> Container:
                      finished_s=_parse_time(st.get("FinishedAt", "")))
 
 
-def list_containers(sh: HostShell, deployment: str, timeout: float = 30.0) -> list[Container]:
-    """Every container (any state) of DEPLOYMENT on the host, by label."""
+def list_containers(sh: HostShell, deployment: str, timeout: float = 30.0,
+                    previous: bool = False) -> list[Container]:
+    """Every container (any state) of DEPLOYMENT on the host, by label; the stopped previous
+    generation kept for the supervisor's rollback (PREVIOUS_SUFFIX) only when PREVIOUS."""
     r = sh.run(list_argv(sh.host.docker_host, deployment), timeout=timeout)
-    return parse_list(r.rc, r.stdout, r.stderr, sh.host.docker_host)
+    return parse_list(r.rc, r.stdout, r.stderr, sh.host.docker_host, previous)
 
 
-def parse_list(rc: int, out: str, err: str, docker_host: str) -> list[Container]:
-    """The output of commands.list_argv: the host's clock, then `docker inspect` JSON (or nothing)."""
+def is_previous(c: Container) -> bool:
+    return c.name.endswith(PREVIOUS_SUFFIX)
+
+
+def parse_list(rc: int, out: str, err: str, docker_host: str, previous: bool = False) -> list[Container]:
+    """The output of commands.list_argv: the host's clock, then `docker inspect` JSON (or nothing).
+    The previous generation (is_previous) is left out unless PREVIOUS: it never serves, and what
+    counts a deployment's containers (launch, status, health) must not see it."""
     lines = out.splitlines()
     if rc == 3 or not lines:
         raise HostFailure(f"the Docker engine {docker_host} does not answer: "
@@ -121,7 +129,8 @@ def parse_list(rc: int, out: str, err: str, docker_host: str) -> list[Container]
     except ValueError:
         raise HostFailure(f"cannot read `docker inspect` output: {body[:200]!r}", rc=rc) from None
     # rc 1 with output: a container vanished between ps and inspect; the others are listed.
-    return sorted((_container(d, host_now) for d in docs), key=lambda c: c.name)
+    found = (_container(d, host_now) for d in docs)
+    return sorted((c for c in found if previous or not is_previous(c)), key=lambda c: c.name)
 
 
 def logs_tail(sh: HostShell, container: str, lines: int = LOG_TAIL, timeout: float = 30.0) -> list[str]:
@@ -134,8 +143,8 @@ def remove_all(sh: HostShell, deployment: str, stop_timeout: int = STOP_TIMEOUT_
                keep: frozenset[str] = frozenset()) -> list[Container]:
     """Stop (SIGTERM, then SIGKILL after STOP_TIMEOUT) and remove every container of DEPLOYMENT but
     the ones in KEEP (IDs: launch's prepared containers), then list again: a container still there
-    is a failure naming it. Returns what was removed."""
-    found = [c for c in list_containers(sh, deployment) if c.id not in keep]
+    is a failure naming it (the previous generation too, unless kept). Returns what was removed."""
+    found = [c for c in list_containers(sh, deployment, previous=True) if c.id not in keep]
     if not found:
         return []
     ids = [c.id for c in found]
@@ -143,7 +152,7 @@ def remove_all(sh: HostShell, deployment: str, stop_timeout: int = STOP_TIMEOUT_
     if running:
         sh.run(sh.docker("stop", "-t", str(stop_timeout), *running), timeout=stop_timeout + 60)
     r = sh.run(sh.docker("rm", "-f", *ids), timeout=120)
-    left = [c for c in list_containers(sh, deployment) if c.id not in keep]
+    left = [c for c in list_containers(sh, deployment, previous=True) if c.id not in keep]
     if left:
         detail = (r.stderr.strip().splitlines() or [""])[-1]
         raise HostFailure(f"{len(left)} container(s) of {deployment} still present after docker stop/rm: "
@@ -173,6 +182,22 @@ def memory_gate(sh: HostShell, drop: bool, min_gib: float, mkdir: str = "",
 
 
 PREPARED_SUFFIX = "-next"
+# The generation an `up` replaced, stopped and kept under this suffix when the recipe asks the
+# supervisor to roll back after giving up (supervise.rollback; hostside/supervisor.py PREVIOUS_SUFFIX)
+PREVIOUS_SUFFIX = "-prev"
+
+
+def keep_as_previous(sh: HostShell, c: Container, stop_timeout: int = STOP_TIMEOUT_S) -> None:
+    """Stop C and give it the name of the previous generation (a former one is removed first)."""
+    name = f"{c.name}{PREVIOUS_SUFFIX}"
+    sh.run(sh.docker("rm", "-f", name), timeout=60)            # absent: nothing to remove
+    for argv, t in ((sh.docker("stop", "-t", str(stop_timeout), c.id), stop_timeout + 60),
+                    (sh.docker("rename", c.id, name), 60)):
+        r = sh.run(argv, timeout=t)
+        if r.rc != 0:
+            tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-10:]
+            raise HostFailure(f"cannot keep {c.name} as {name} (the previous generation): {docker_reason(tail)}",
+                              rc=r.rc, tail=tail)
 
 
 def secret_keys(spec: ContainerSpec) -> list[str]:

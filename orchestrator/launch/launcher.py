@@ -35,8 +35,9 @@ from ..outcomes import HostFailure, HostResult
 from ..plan import Action
 from ..runrecord import HostLog, RunContext
 from ..secrets import mask_argv, register_named
-from . import api, firewall, probe, rendezvous
-from .containers import (Container, create, discard, memory_gate, prepared_name, remove_all, run_argv, start,
+from . import api, firewall, probe, rendezvous, supervision
+from .containers import (PREVIOUS_SUFFIX, Container, create, discard, is_previous, keep_as_previous,
+                         list_containers, memory_gate, prepared_name, remove_all, run_argv, start,
                          write_secret_file)
 from ..fabric import detect
 from ..fabric.detect import Fabric
@@ -81,6 +82,7 @@ class _Launch:
         self.dep, self.ctx, self.shells, self.logs = dep, ctx, shells, logs
         self.prove = prove
         self.prepared: dict[str, str] = {}     # host -> the created, not yet started container
+        self.keep_previous = False             # keep the replaced generation (supervise.rollback)
         self.planned, self.names = planned, list(planned)
         self.environ = environ
         self.head = dep.cluster.head
@@ -230,6 +232,10 @@ class _Launch:
         ctx.state.cleanups.append(cleanup)
         if not ctx.options.keep_on_failure:
             ctx.state.failure_cleanups.append(cleanup)
+        # supervise.rollback: the generation being replaced is kept, stopped, for the supervisor to bring
+        # back if the new one fails for good; only a group that was serving (every rank running)
+        self.keep_previous = supervision.enabled(dep) and dep.recipe.supervise.rollback and all(
+            info[n].containers and all(c.running for c in info[n].containers) for n in self.names)
         removed, bad = self.phase("stop", self.names, lambda n: self.stop(n))
         if bad:
             return self.abort(bad, f"earlier containers removed here; nothing started because "
@@ -301,9 +307,19 @@ class _Launch:
         return cid
 
     def stop(self, name: str) -> list[Container]:
-        gone = remove_all(self.shells[name], self.dep.name, keep=frozenset({self.prepared[name]}))
+        sh, keep, kept = self.shells[name], {self.prepared[name]}, ""
+        if self.dep.recipe.supervise.rollback:
+            found = list_containers(sh, self.dep.name, previous=True)
+            now = [c for c in found if c.name == self.planned[name].name]       # the current generation
+            if self.keep_previous and now:
+                keep_as_previous(sh, now[0])
+                keep.add(now[0].id)
+                kept = f"; kept {now[0].name} ({now[0].short_id}) stopped as {now[0].name}{PREVIOUS_SUFFIX}"
+            else:        # a group that was not serving: the generation kept before stays the one to go back to
+                keep |= {c.id for c in found if is_previous(c)}
+        gone = remove_all(sh, self.dep.name, keep=frozenset(keep))
         self.logs[name].write("removed: " + (", ".join(c.describe() for c in gone) or "nothing to remove")
-                              + f"; verified: no container of {self.dep.name} left")
+                              + kept + f"; verified: no other container of {self.dep.name} left")
         return gone
 
     def gate(self, name: str) -> str:

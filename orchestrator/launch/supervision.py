@@ -10,7 +10,8 @@ launch, status and down count engines by theirs), `--restart unless-stopped`, ho
       fabric check, rewritten by every `up`, which its /metrics exports)
   the host's Docker socket                       -> /run/deployctl/docker.sock
   the head's /var/lock (the deployment's lock)    -> /run/deployctl/lock
-  the head's release history folder (read-only)  -> /run/deployctl/releases
+  the head's release history folder              -> /run/deployctl/releases (read-only unless
+      supervise.rollback: a rollback after giving up records its release there, under the lock)
 An install is identified by a digest of every host's config and the zipapp: an `up` that finds every
 agent running with this digest changes nothing; otherwise every agent is replaced together, with a
 new per-install token (the workers' only credential, good for this install only).
@@ -104,7 +105,8 @@ def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
                 "backoff_max_s": s.backoff_max_s, "keep_incidents": s.keep_incidents,
                 "startup_timeout_s": r.health.startup_timeout_s, "order": seq,
                 "wait_before_head_s": e.start_wait_s if seq and seq[-1] == [head.name] and len(seq) > 1 else 0.0,
-                "origin": origin, "lock_file": f"{MOUNT}/lock/{PurePosixPath(lock_path(dep.name)).name}", "release_history": f"{MOUNT}/releases/{rel._slug(dep.name)}.json"}
+                "origin": origin, "lock_file": f"{MOUNT}/lock/{PurePosixPath(lock_path(dep.name)).name}",
+                "release_history": f"{MOUNT}/releases/{rel._slug(dep.name)}.json", "rollback": s.rollback}
     out = {head.name: head_cfg}
     for h in c.workers:
         out[h.name] = {**common, "role": "worker", "host": h.name, "head_url": f"http://{_url_host(head.address)}:{s.port}"}
@@ -125,7 +127,8 @@ def run_argv(dep: "Deployment", h: "Host", install: str) -> list[str]:
     mounts = ["-v", f"{d}:/state", "-v", f"{sock}:{MOUNT}/docker.sock"]
     if head:
         hist = str(PurePosixPath(rel.history_path(h.nvme_dir, dep.name)).parent)
-        mounts += ["-v", f"{LOCK_DIR}:{MOUNT}/lock", "-v", f"{hist}:{MOUNT}/releases:ro"]
+        ro = "" if dep.recipe.supervise.rollback else ":ro"
+        mounts += ["-v", f"{LOCK_DIR}:{MOUNT}/lock", "-v", f"{hist}:{MOUNT}/releases{ro}"]
     return docker_argv(h, "run", "-d", "--name", container_name(dep), "--label", f"{LABEL}={dep.name}",
                      "--label", f"{INSTALL_LABEL}={install}", "--restart", "unless-stopped",
                      "--network", "host", "--log-opt", "max-size=10m", "--log-opt", "max-file=2",
