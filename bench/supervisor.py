@@ -118,7 +118,8 @@ def provoke(inv: str, dep, host, comm: str, sig: int, detect_goal_s: float) -> d
     return {"kind": inc["kind"], "detect_s": round(detect, 2), "detect_goal_s": detect_goal_s,
             "detect_ratio": round(detect / detect_goal_s, 2), "recovery_s": inc["recovery_s"],
             "engine_start_s": round(eng, 2), "recovery_goal_s": round(eng + 10, 2),
-            "recovery_ratio": round(inc["recovery_s"] / (eng + 10), 2), "incident": inc["id"]}
+            "recovery_ratio": round(inc["recovery_s"] / (eng + 10), 2), "incident": inc["id"],
+            "actions": inc["actions"]}
 
 
 def main() -> int:
@@ -163,6 +164,8 @@ def main() -> int:
                 v = doc[k]
                 print(f"| {k} | {v['kind']} | {v['detect_s']} s | {v['detect_goal_s']:g} s | {v['detect_ratio']} | "
                       f"{v['recovery_s']} s | {v['recovery_goal_s']} s | {v['recovery_ratio']} |")
+            for k in ("kill", "wedge"):      # where the recovery's time went (offsets from the lock taken)
+                print(f"{k}: " + "; ".join(f"{a['t']:g} s {a['what']}" for a in doc[k]["actions"]))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if not a.keep:
