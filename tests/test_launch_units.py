@@ -119,6 +119,32 @@ def test_parse_list_uptime_from_the_host_clock():
         parse_list(3, "", "Cannot connect to the Docker daemon", "unix:///e")
 
 
+def test_the_previous_generation_is_listed_only_when_asked():
+    doc = [{"Id": i * 64, "Name": f"/deployctl-x{suffix}", "Image": "sha256:" + "b" * 64,
+            "State": {"Status": "exited"}, "Config": {"Labels": {}, "Image": "img:1"}}
+           for i, suffix in (("a", ""), ("c", "-prev"))]
+    text = f"1788264000\n{json.dumps(doc)}"
+    assert [c.name for c in parse_list(0, text, "", "e")] == ["deployctl-x"]
+    assert [c.name for c in parse_list(0, text, "", "e", previous=True)] == ["deployctl-x", "deployctl-x-prev"]
+    assert parse_list(0, text, "", "e")[0].image_ref == "img:1"
+
+
+def test_the_same_image_under_another_name_is_no_change():
+    """After a rollback the engines run the release's pin tag; an `up` whose tag names the same image
+    (by ID) with the same spec otherwise does not relaunch; another image or another spec does."""
+    from orchestrator.launch.containers import Container
+    from orchestrator.launch.launcher import renamed_only
+    spec = container_spec(spark4(), spark4().cluster.host("spark2"), None, None)
+    pinned = replace(spec, image="deployctl-release/x:3")
+
+    def running(s, image_id="sha256:1"):
+        return Container("id", s.name, "running", 0, 0, image_id, {SPEC_LABEL: s.digest}, image_ref=s.image)
+    assert renamed_only(running(pinned), spec, "sha256:1")
+    assert not renamed_only(running(pinned), spec, "sha256:2"), "the tag moved to another image"
+    assert not renamed_only(running(pinned), replace(spec, argv=spec.argv + ("--x",)), "sha256:1")
+    assert not renamed_only(running(spec), spec, "sha256:1"), "same name: the digests decide as before"
+
+
 def test_lock_path_is_safe():
     assert lock_path("spark4") == "/var/lock/deployctl-spark4.lock"
     assert lock_path("a b/../c") == "/var/lock/deployctl-a_b_.._c.lock"

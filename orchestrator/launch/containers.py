@@ -36,6 +36,7 @@ class Container:
     error: str = ""                   # Docker's State.Error (e.g. a mount that failed)
     oom_killed: bool = False
     finished_s: float | None = None   # stopped: when (epoch seconds, the host's clock)
+    image_ref: str = ""               # the image as the container was created with it (a tag, an ID)
 
     @property
     def running(self) -> bool:
@@ -96,7 +97,8 @@ def _container(doc: dict[str, Any], host_now: float | None) -> Container:
                      exit_code=int(st.get("ExitCode") or 0), restart_count=int(doc.get("RestartCount") or 0),
                      image_id=doc.get("Image", ""), labels=dict((doc.get("Config") or {}).get("Labels") or {}),
                      uptime_s=uptime, error=st.get("Error") or "", oom_killed=bool(st.get("OOMKilled")),
-                     finished_s=_parse_time(st.get("FinishedAt", "")))
+                     finished_s=_parse_time(st.get("FinishedAt", "")),
+                     image_ref=(doc.get("Config") or {}).get("Image") or "")
 
 
 def list_containers(sh: HostShell, deployment: str, timeout: float = 30.0,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shlex
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from rich.markup import escape
@@ -160,7 +161,7 @@ class _Launch:
                 return f"{n} has {len(cs)} containers of {self.dep.name}"
             if not c.running:
                 return f"{n}: {c.describe()}"
-            if c.spec != specs[n].digest:
+            if c.spec != specs[n].digest and not renamed_only(c, specs[n], info[n].image_id):
                 was, now = c.labels.get(apikey.LABEL, ""), specs[n].api_key_id
                 key = (f" (the API key changed: id {was or 'none'} -> {now or 'none'})" if was != now else "")
                 if c.labels.get(TABLES_LABEL, "") != specs[n].labels.get(TABLES_LABEL, ""):
@@ -341,6 +342,14 @@ class _Launch:
         cid = start(self.shells[name], spec, self.prepared[name])
         self.logs[name].write(f"started {spec.name} {cid[:12]} in {time.monotonic() - t0:.1f}s")
         return cid
+
+
+def renamed_only(c: Container, spec: ContainerSpec, image_id: str | None) -> bool:
+    """C runs SPEC but for the image's name: the image SPEC names is the one C runs (by ID) and C's
+    spec is SPEC's under C's own image reference. A rollback launches a release's pin tag
+    (releases.pin_tag); an `up` naming the same image by the inventory's tag is no change."""
+    return bool(c.image_ref) and c.image_ref != spec.image and c.image_id == image_id \
+        and replace(spec, image=c.image_ref).digest == c.spec
 
 
 def _cleanup(dep: Deployment, ctx: RunContext, names: list[str]) -> Callable[[], None]:
