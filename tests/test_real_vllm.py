@@ -334,6 +334,8 @@ def supervised_restart(cluster, inv: Path, deployment: str, hosts, port: int) ->
     # the completion probe (every 3 s here, 8 s bound) finds it, and the group is restarted.
     p = up(inv, "--set", "supervise.wedge_interval_s=3", "--set", "supervise.wedge_timeout_s=8")
     assert p.returncode == 0, out(p)
+    # the engines run the rollback's pin tag, the inventory names the same image by its tag: no relaunch
+    assert "still runs" in unwrap(out(p)) and "launching" not in out(p), out(p)
     (hcid,) = containers(cluster, head.name, deployment)
     top = _docker(head.docker_host, "top", hcid, "-eo", "pid,comm").stdout.splitlines()[1:]
     (core,) = [int(ln.split()[0]) for ln in top if ln.split()[1].startswith("VLLM::EngineCor")]
