@@ -807,6 +807,7 @@ class Supervisor:
             cause = Detector({**cfg, "mem_floor_kib": 0}).observe(again, None, None, time.monotonic())
             if cause is not None and cause.kind == "rank-exited":
                 cause.evidence["api"] = f.summary
+                cause.at = f.at          # seen when the API failed: the second look only names the rank
                 f, ranks = cause, again
         if f.kind == "rank-missing" and self.state == "paused" and self.detail == f.summary:
             return
