@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import threading
 import time
 
 from orchestrator.hostside import supervisor as S
@@ -232,3 +233,32 @@ def test_the_rollback_target_is_the_release_the_kept_containers_are():
 def test_the_suffixes_agree_with_launch():
     from orchestrator.launch import containers, containerspec
     assert S.PREVIOUS_SUFFIX == containers.PREVIOUS_SUFFIX and S.TABLES_LABEL == containerspec.TABLES_LABEL
+
+
+def test_a_workers_rank_that_changes_state_wakes_the_loop_and_the_probe_runs_on_time(tmp_path):
+    """The loop looks at once when a worker reports its rank started or stopped (not a tick later),
+    and the completion probe runs when due (a wedge is seen within its interval + bound)."""
+    cfg = {**CFG, "install": "i1", "host": "h1", "workers": ["h2"], "ranks": {"h1": 0, "h2": 1},
+           "release_history": str(tmp_path / "none.json"), "interval_s": 2.0,
+           "wedge": {**CFG["wedge"], "interval_s": 5.0}}
+    s = S.Supervisor(cfg, str(tmp_path), engine=None)
+    report = {"host": "h2", "container": {"id": "c2", "status": "running"}}
+    s.sync(report)
+    assert s.wake.is_set(), "the first report"
+    s.wake.clear()
+    s.sync(report)
+    assert not s.wake.is_set(), "nothing changed"
+    s.sync({**report, "container": {"id": "c2", "status": "exited"}})
+    assert s.wake.is_set(), "the rank stopped"
+    t0 = time.monotonic()
+    s.pause()
+    assert time.monotonic() - t0 < 0.1, "woken: no wait"
+    s.state, s.last_wedge = "watching", time.monotonic() - 5.0 + 0.3
+    t0 = time.monotonic()
+    s.pause()
+    assert 0.2 < time.monotonic() - t0 < 1.0, "the probe's due time, not the 2 s tick"
+    s.last_wedge = time.monotonic() - 60          # overdue (no /health): the tick, not a busy loop
+    threading.Timer(0.3, s.wake.set).start()
+    t0 = time.monotonic()
+    s.pause()
+    assert 0.25 < time.monotonic() - t0 < 1.0

@@ -420,6 +420,7 @@ class Supervisor:
         self.probes: dict[str, tuple[bool, float]] = {}                                 # probe -> (ok, when)
         self.last_wedge = 0.0
         self.stopping = threading.Event()
+        self.wake = threading.Event()          # a worker's rank changed state: tick at once
         self.local_seen: tuple[float, RankView] | None = None       # the last look at this host's rank
         self.locks: dict[str, int] = {}                              # the deployment's lock while acting
 
@@ -492,6 +493,10 @@ class Supervisor:
         if host not in self.cfg["workers"]:
             raise ValueError(f"unknown host {host!r}")
         with self.lock:
+            was = self.reports.get(host, (0.0, {}))[1].get("container") or {}
+            now = report.get("container") or {}
+            if (was.get("id"), was.get("status")) != (now.get("id"), now.get("status")):
+                self.wake.set()          # a rank started or stopped: look now, not at the next tick
             self.reports[host] = (time.monotonic(), report)
             if report.get("done"):
                 self.done[host] = report["done"]
@@ -943,7 +948,18 @@ class Supervisor:
                 self.tick()
             except Exception as e:  # noqa: BLE001 - the supervisor keeps going; Docker restarts it if it dies
                 log(f"tick failed: {type(e).__name__}: {e}")
-            self.stopping.wait(self.cfg["interval_s"])
+            self.pause()
+
+    def pause(self) -> None:
+        """Until the next tick: interval_s, or the completion probe's due time when sooner (a wedge is
+        then seen within wedge_interval_s + its bound, not a tick later), or at once when a worker
+        reports a change of its rank (or the supervisor is stopped)."""
+        wait = self.cfg["interval_s"]
+        due = self.last_wedge + self.cfg["wedge"]["interval_s"] - time.monotonic()
+        if self.state == "watching" and 0 < due < wait:      # overdue: the probe waits for /health
+            wait = due
+        self.wake.wait(wait)
+        self.wake.clear()
         return 0
 
 
@@ -995,9 +1011,10 @@ def main(argv: list[str]) -> int:
     state_dir = os.path.dirname(os.path.abspath(argv[0]))
     engine = Engine(cfg.get("socket") or SOCKET)
     stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *a: stopping.set())
     if cfg["role"] == "head":
         sup = Supervisor(cfg, state_dir, engine)
         sup.stopping = stopping
+        signal.signal(signal.SIGTERM, lambda *a: (stopping.set(), sup.wake.set()))
         return sup.run()
+    signal.signal(signal.SIGTERM, lambda *a: stopping.set())
     return agent(cfg, state_dir, engine, stopping)
