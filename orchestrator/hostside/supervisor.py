@@ -805,9 +805,10 @@ class Supervisor:
             return
         if f.kind in API_KINDS:
             # The API fails first when a rank dies (the head's next request fails at once): look at the
-            # ranks again once every agent has reported since the probes began, and name the rank if
-            # one stopped (a probe that timed out has already waited that long: no wait).
-            self.stopping.wait(max(0.0, 2.5 * REPORT_EVERY_S - (time.monotonic() - looked)))
+            # ranks again when a worker reports its rank stopped, or once every agent has reported since
+            # the probes began, and name the rank if one stopped (a probe that timed out has already
+            # waited that long: no wait).
+            self.wake.wait(max(0.0, 2.5 * REPORT_EVERY_S - (time.monotonic() - looked)))
             again = self.views()
             cause = Detector({**cfg, "mem_floor_kib": 0}).observe(again, None, None, time.monotonic())
             if cause is not None and cause.kind == "rank-exited":
