@@ -116,7 +116,8 @@ def test_every_host_gets_one_install_and_no_secret(tmp_path):
     assert head["origin"] and all(re.compile(p) for p in head["origin"]), "vLLM's own death line (diagnosis.ORIGIN)"
     assert head["workers"] == [h.name for h in dep.cluster.workers]
     from orchestrator.launch.containerspec import start_sequence
-    assert head["order"] == [list(g) for g in start_sequence(dep)], "the group starts as `up` starts it"
+    assert [n for g in head["order"] for n in g] == [n for g in start_sequence(dep) for n in g], \
+        "the group starts in up's order (its workers together: test_a_restart_starts_the_workers_together...)"
     assert sorted(n for g in head["order"] for n in g) == sorted(cfgs)
     for h in dep.cluster.workers:
         assert cfgs[h.name]["head_url"] == f"http://{dep.cluster.head_host.address}:{dep.recipe.supervise.port}"
@@ -262,3 +263,14 @@ def test_a_workers_rank_that_changes_state_wakes_the_loop_and_the_probe_runs_on_
     t0 = time.monotonic()
     s.pause()
     assert 0.25 < time.monotonic() - t0 < 1.0
+
+
+def test_a_restart_starts_the_workers_together_before_the_head():
+    from orchestrator.deployment import load_deployment
+    from orchestrator.launch.supervision import configs, restart_order
+    from orchestrator.paths import INVENTORIES_DIR
+    dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
+    assert restart_order(dep) == [["spark4", "spark3", "spark2"], ["spark1"]]
+    assert configs(dep)["spark1"]["order"] == restart_order(dep)
+    head_first = load_deployment(INVENTORIES_DIR / "spark4.yml", None, ("engine.start_order=head-first",))
+    assert restart_order(head_first) == [["spark1"], ["spark2", "spark3", "spark4"]]
