@@ -950,6 +950,7 @@ class Supervisor:
             except Exception as e:  # noqa: BLE001 - the supervisor keeps going; Docker restarts it if it dies
                 log(f"tick failed: {type(e).__name__}: {e}")
             self.pause()
+        return 0
 
     def pause(self) -> None:
         """Until the next tick: interval_s, or the completion probe's due time when sooner (a wedge is
@@ -961,7 +962,6 @@ class Supervisor:
             wait = due
         self.wake.wait(wait)
         self.wake.clear()
-        return 0
 
 
 # ------------------------------------------------------------------------------------- a worker

@@ -83,7 +83,9 @@ class _Launch:
         self.dep, self.ctx, self.shells, self.logs = dep, ctx, shells, logs
         self.prove = prove
         self.prepared: dict[str, str] = {}     # host -> the created, not yet started container
-        self.keep_previous = False             # keep the replaced generation (supervise.rollback)
+        # supervise.rollback: an up keeps the generation it replaces for the supervisor (docs/supervisor.md)
+        self.rollback = supervision.enabled(dep) and dep.recipe.supervise.rollback
+        self.keep_previous = False             # ... when that generation was serving (run() decides)
         self.planned, self.names = planned, list(planned)
         self.environ = environ
         self.head = dep.cluster.head
@@ -235,7 +237,7 @@ class _Launch:
             ctx.state.failure_cleanups.append(cleanup)
         # supervise.rollback: the generation being replaced is kept, stopped, for the supervisor to bring
         # back if the new one fails for good; only a group that was serving (every rank running)
-        self.keep_previous = supervision.enabled(dep) and dep.recipe.supervise.rollback and all(
+        self.keep_previous = self.rollback and all(
             info[n].containers and all(c.running for c in info[n].containers) for n in self.names)
         removed, bad = self.phase("stop", self.names, lambda n: self.stop(n))
         if bad:
@@ -309,7 +311,7 @@ class _Launch:
 
     def stop(self, name: str) -> list[Container]:
         sh, keep, kept = self.shells[name], {self.prepared[name]}, ""
-        if self.dep.recipe.supervise.rollback:
+        if self.rollback:
             found = list_containers(sh, self.dep.name, previous=True)
             now = [c for c in found if c.name == self.planned[name].name]       # the current generation
             if self.keep_previous and now:
