@@ -358,9 +358,6 @@ class Local:
         docs = sorted((c for c in docs if c not in prev), key=lambda c: c["status"] == "running")   # running last
         return (docs[-1] if docs else None), (prev[0] if prev else None)
 
-    def container(self) -> dict[str, Any] | None:
-        return self.generations()[0]
-
     def view(self, mask: Callable[[str], str]) -> RankView:
         c, prev = self.generations()
         tail = [mask(x) for x in self.engine.logs_tail(c["id"])] if c and c["status"] != "running" else []
