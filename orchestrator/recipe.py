@@ -164,7 +164,7 @@ class EngineSpec:
     drop_caches: bool = False
     min_mem_available_gib: float = 0.0
     # multi-node start order: "head-first" (the head, then the workers in parallel) or
-    # "workers-first" (the workers one by one in descending rank, then start_wait_s, then the head)
+    # "workers-first" (the workers in parallel, then start_wait_s, then the head)
     start_order: Literal["head-first", "workers-first"] = "head-first"
     start_wait_s: float = 0.0
     # RoCE HCA pinned in NCCL_IB_HCA, by host name ("*": every host); default: detected per host
@@ -207,7 +207,7 @@ class HealthSpec:
     request_timeout_s: float = 120.0
     prompt: str = "Count from 1 to 10."
     max_tokens: int = 50
-    stay_up_s: float = 10.0              # containers must stay running this long after answering
+    stay_up_s: float = 10.0              # containers must stay running this long after /health answers
 
     def validate(self, path: str, file: str) -> None:
         # 0 or less would never wait for the engines, or poll them in a busy loop

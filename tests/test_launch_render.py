@@ -217,9 +217,9 @@ def test_dsv41_tp4_dry_run_carries_boot10_runtime():
         assert "--memory" in a.command and "MAX_JOBS=2" in a.command
         assert a.details["container"]["options"] == {"memory": "112g", "memory-swap": "112g"}
     assert {n: a.details["container"]["start"]["step"] for n, a in acts.items()} == \
-        {"spark4": 1, "spark3": 2, "spark2": 3, "spark1": 4}
+        {"spark4": 1, "spark3": 1, "spark2": 1, "spark1": 2}
     assert acts["spark1"].details["container"]["start"] == {
-        "order": "workers-first", "step": 4, "of": 4, "after": ["spark4", "spark3", "spark2"], "wait_before_s": 5.0}
+        "order": "workers-first", "step": 2, "of": 2, "after": ["spark4", "spark3", "spark2"], "wait_before_s": 5.0}
 
 
 def test_tp8_recipes_share_the_runtime_block():

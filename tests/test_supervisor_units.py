@@ -267,10 +267,11 @@ def test_a_workers_rank_that_changes_state_wakes_the_loop_and_the_probe_runs_on_
 
 def test_a_restart_starts_the_workers_together_before_the_head():
     from orchestrator.deployment import load_deployment
-    from orchestrator.launch.supervision import configs, restart_order
+    from orchestrator.launch.containerspec import start_sequence
+    from orchestrator.launch.supervision import configs
     from orchestrator.paths import INVENTORIES_DIR
     dep = load_deployment(INVENTORIES_DIR / "spark4.yml")
-    assert restart_order(dep) == [["spark4", "spark3", "spark2"], ["spark1"]]
-    assert configs(dep)["spark1"]["order"] == restart_order(dep)
+    assert configs(dep)["spark1"]["order"] == [["spark4", "spark3", "spark2"], ["spark1"]]
     head_first = load_deployment(INVENTORIES_DIR / "spark4.yml", None, ("engine.start_order=head-first",))
-    assert restart_order(head_first) == [["spark1"], ["spark2", "spark3", "spark4"]]
+    assert configs(head_first)["spark1"]["order"] == [["spark1"], ["spark2", "spark3", "spark4"]]
+    assert configs(dep)["spark1"]["order"] == [list(g) for g in start_sequence(dep)], "the order up starts in"

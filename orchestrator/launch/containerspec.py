@@ -296,13 +296,14 @@ def api_key_file(host: Host, deployment: str) -> str:
 
 def start_sequence(dep: Deployment) -> list[tuple[str, ...]]:
     """The hosts in start order: groups started one after another (a group's hosts in parallel).
-    head-first: the head, then every worker. workers-first (boot 10's launch/boot_dsv41.sh): each
-    worker alone in descending rank, then (after engine.start_wait_s) the head."""
+    head-first: the head, then every worker. workers-first (boot 10's launch/boot_dsv41.sh): every
+    worker, then (after engine.start_wait_s) the head. The boot script starts its workers one by one
+    in descending rank; the engines need the workers before the head, not an order among them (a
+    headless vLLM worker waits for the master), and one by one cost 0.2 s per worker over SSH."""
     c, e = dep.cluster, dep.recipe.engine
-    workers = [h.name for h in sorted(c.workers, key=lambda h: -h.rank)]
-    if e.start_order == "workers-first" and workers:
-        return [(n,) for n in workers] + [(c.head,)]
-    return [(c.head,)] + ([tuple(h.name for h in c.workers)] if workers else [])
+    if e.start_order == "workers-first" and c.workers:
+        return [tuple(h.name for h in sorted(c.workers, key=lambda h: -h.rank)), (c.head,)]
+    return [(c.head,)] + ([tuple(h.name for h in c.workers)] if c.workers else [])
 
 
 def start_step(dep: Deployment, host: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ start the head and the workers.
    a vLLM group over several nodes: the head's rendezvous port is free and every worker reaches it
    over the fabric (rendezvous.py), else the host concerned fails, named, and nothing starts;
 6. start in render.start_sequence order: head-first (the head, then the workers in parallel) or
-   workers-first (boot 10: each worker in descending rank, engine.start_wait_s, then the head).
+   workers-first (boot 10: the workers, engine.start_wait_s, then the head).
    From here on a Ctrl-C (or, unless --keep-on-failure, a failure of launch or health) removes this
    deployment's containers again.
 """

@@ -87,7 +87,7 @@ def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
     s, e = r.supervise, r.engine
     head = c.head_host
     workers = [h.name for h in c.workers]
-    seq = restart_order(dep)
+    seq = [list(g) for g in start_sequence(dep)]     # up's order: workers together, then the head
     common = {"deployment": dep.name, "stop_timeout_s": s.stop_timeout_s, "socket": f"{MOUNT}/docker.sock",
               "silent_s": s.silent_s}
     origin = [p.pattern for p in ORIGIN]      # the lines by which a rank says its own process died
@@ -113,19 +113,6 @@ def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
     digest = hashlib.sha256(json.dumps(out, sort_keys=True).encode() + bundle.digest().encode()).hexdigest()[:12]
     for cfg in out.values():
         cfg["install"] = digest
-    return out
-
-
-def restart_order(dep: "Deployment") -> list[list[str]]:
-    """up's start order (containerspec.start_sequence) with the workers it starts one by one started
-    together: the engines need the workers up before the head, not in an order among themselves, and
-    a restart waits on one order round trip for all of them instead of one per worker (0.6 s each)."""
-    head, out = dep.cluster.head, []
-    for group in start_sequence(dep):
-        if out and head not in group and head not in out[-1]:
-            out[-1] += list(group)
-        else:
-            out.append(list(group))
     return out
 
 
