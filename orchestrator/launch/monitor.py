@@ -11,9 +11,10 @@ Each round (every health.poll_interval_s, bounded by health.startup_timeout_s):
   (health.prompt, health.max_tokens, health.request_timeout_s). Until it answers it is probed every
   API_POLL_S between the rounds, so readiness is seen as it happens, not up to a round later; the
   last progress-looking line of the head's engine log is shown once a round ("Loading weights: 40%");
-- once it answered, containers must stay up: health.stay_up_s after the answer when this run
-  started them, else until each has been up that long. The last round falls on the end of that
-  wait, not on the next poll after it.
+- once it answered, containers must stay up: health.stay_up_s from the answer to /health of the
+  check that passed (its completion runs inside the wait) when this run started them, else until
+  each has been up that long. The last round falls on the end of that wait, not on the next poll
+  after it.
 """
 from __future__ import annotations
 
@@ -137,12 +138,15 @@ class _Watch:
                     return self.fail(bad, f"check stopped: {', '.join(sorted(bad))} failed")
                 next_round = time.monotonic() + h.poll_interval_s
             if done_at is None:
+                asked = time.monotonic()
                 last = api.check(self.client, dep.api_url, e.served_name, h.prompt, h.max_tokens,
                                  h.request_timeout_s, dep.api_key)
                 now = time.monotonic()
                 if last.ok:
                     answer = last.detail
-                    done_at = stay_check = now + (h.stay_up_s if fresh else 0.0)
+                    # the wait counts from /health's answer: the completion (0.5 s of 8 CPU tokens)
+                    # runs inside it, not before it
+                    done_at = stay_check = max(now, asked + h.stay_up_s) if fresh else now
                     self.logs[self.head].write(f"API answered after {now - t0:.1f}s: {answer}")
                     ctx.say(f"  {self.head}: API answered after {now - t0:.0f}s: {escape(answer)}")
                     continue
