@@ -187,7 +187,9 @@ async def _stream(client: httpx.AsyncClient, spec: LoadSpec, salt: int, res: Req
             data = line[5:].strip()
             if data == "[DONE]":
                 # read on to the end of the body: a response left unread closes its connection, and
-                # every request then opens a new one. vLLM's client keeps its connections; with new
+                # every request then opens a new one. vLLM's client keeps its connections (one
+                # aiohttp session, TCPConnector keepalive_timeout=60, force_close=False:
+                # vllm/benchmarks/serve.py `benchmark`, 0.33); with new
                 # ones the C requests of a closed loop reach the engine spread out, and at C=4 one
                 # that misses the engine's step waits a step more (TTFT +15-30 ms at TP=4 here)
                 res.ok = True

@@ -298,8 +298,9 @@ def start_sequence(dep: Deployment) -> list[tuple[str, ...]]:
     """The hosts in start order: groups started one after another (a group's hosts in parallel).
     head-first: the head, then every worker. workers-first (boot 10's launch/boot_dsv41.sh): every
     worker, then (after engine.start_wait_s) the head. The boot script starts its workers one by one
-    in descending rank; the engines need the workers before the head, not an order among them (a
-    headless vLLM worker waits for the master), and one by one cost 0.2 s per worker over SSH."""
+    in descending rank; the engines need the workers before the head, not an order among them (the
+    script itself starts every worker before the master, so each already waits for it), and one by
+    one cost 0.2 s per worker over SSH."""
     c, e = dep.cluster, dep.recipe.engine
     if e.start_order == "workers-first" and c.workers:
         return [tuple(h.name for h in sorted(c.workers, key=lambda h: -h.rank)), (c.head,)]
