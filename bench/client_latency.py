@@ -96,9 +96,9 @@ async def main():
                 inp = RequestFuncInput(prompt=prompts[w * rounds + r], api_url=url + "/v1/chat/completions",
                                        prompt_len=80, output_len=32, model=model, ignore_eos=True,
                                        extra_body={"temperature": 0})
-                r = await async_request_openai_chat_completions(inp, session)
-                assert r.success, r.error
-                out.append({"ttft": r.ttft, "itl": (r.latency - r.ttft) / max(1, len(r.itl))})
+                res = await async_request_openai_chat_completions(inp, session)
+                assert res.success, res.error
+                out.append({"ttft": res.ttft, "itl": (res.latency - res.ttft) / max(1, len(res.itl))})
             return out
         runs = await asyncio.gather(*(worker(w) for w in range(c)))
     print(json.dumps([x for w in runs for x in w]))

@@ -30,7 +30,7 @@ from ..executors.docker_cli import docker_argv
 from ..hostside import bundle
 from ..outcomes import HostFailure, parallel
 from ..paths import LOCK_DIR, lock_path
-from .containerspec import start_sequence
+from .containerspec import start_sequence, start_step
 from .diagnosis import ORIGIN
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
                 "max_restarts": s.max_restarts, "window_s": s.window_s, "backoff_s": s.backoff_s,
                 "backoff_max_s": s.backoff_max_s, "keep_incidents": s.keep_incidents,
                 "startup_timeout_s": r.health.startup_timeout_s, "order": seq,
-                "wait_before_head_s": e.start_wait_s if seq and seq[-1] == [head.name] and len(seq) > 1 else 0.0,
+                "wait_before_head_s": start_step(dep, head.name)["wait_before_s"],
                 "origin": origin, "lock_file": f"{MOUNT}/lock/{PurePosixPath(lock_path(dep.name)).name}",
                 "release_history": f"{MOUNT}/releases/{rel._slug(dep.name)}.json", "rollback": s.rollback}
     out = {head.name: head_cfg}
