@@ -71,6 +71,9 @@ CLUSTER_KEYS = {
     "fabric_topology": "how the hosts' fabric ports are cabled: switch (default), direct (two hosts, one "
                        "cable) or mesh (every linked pair its own cable and subnet; a ring is a mesh with "
                        "fewer links; needs fabric_links)",
+    "distribution": "how the checkpoint reaches the workers: direct (default: the head sends it to each worker, "
+                    "rsync over SSH) or chain (the head sends each byte once: every node forwards to the next "
+                    "while it receives, over the fabric addresses; docs/distribution.md)",
     "hf_token_file": "file on the controller holding a Hub token for gated or private repos (relative: to "
                      "this inventory); default: the HF_TOKEN environment variable, if set",
 }
@@ -78,6 +81,7 @@ DEFAULT_INVENTORY = INVENTORIES_DIR / "local4.yml"
 
 
 TOPOLOGIES = ("switch", "direct", "mesh")
+DISTRIBUTIONS = ("direct", "chain")
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,7 @@ class Cluster:
     metrics_allow: tuple[str, ...] = ()  # who else may reach the head's supervisor port (Prometheus)
     firewall: str = "rules"              # rules | none (orchestrator/launch/firewall.py)
     supervise: bool = True               # orchestrator/launch/supervision.py
+    distribution: str = "direct"         # direct | chain (orchestrator/chain/)
 
     @property
     def head_host(self) -> Host:
@@ -290,6 +295,9 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     if token_file is not None:
         tf = Path(_expand(str(token_file)) or "")
         token_file = str(tf if tf.is_absolute() else p.parent / tf)
+    distribution = cvars.get("distribution", "direct")
+    if distribution not in DISTRIBUTIONS:
+        raise err(f"expected one of {', '.join(DISTRIBUTIONS)}, got {distribution!r}", "all.vars.distribution")
     topology = cvars.get("fabric_topology", "switch")
     if topology not in TOPOLOGIES:
         raise err(f"expected one of {', '.join(TOPOLOGIES)}, got {topology!r}", "all.vars.fabric_topology")
@@ -316,6 +324,7 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         metrics_allow=metrics_allow,
         firewall=firewall,
         supervise=supervise,
+        distribution=distribution,
     )
 
 

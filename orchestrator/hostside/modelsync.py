@@ -40,6 +40,7 @@ BOOTSTRAP = ("import sys;n=int(sys.argv.pop(1));"
              "exec(compile(sys.stdin.buffer.read(n),'deployctl-modelsync','exec'))")
 OURS = ".deployctl"                   # prefix of names we create inside a checkpoint folder
 PARTIAL_DIR = ".deployctl-rsync-partial"   # rsync --partial-dir (rsync.py uses this name)
+CHAIN_PARTIAL = ".deployctl-chain-partial"  # chain_node.py's PARTIAL: files not yet verified
 RSYNC_TEMP = re.compile(r"^\.(.+)\.[A-Za-z0-9]{6}$")   # rsync's temp name for NAME
 CHUNK = 8 * 1024 * 1024
 CACHE_VERSION = 1
@@ -352,12 +353,14 @@ def op_verify(args: dict, manifest: dict) -> dict:
 
 def clean(root: str, want: dict, extra: list[str]) -> list[str]:
     """After a complete copy: drop rsync's leftovers, i.e. the partial-dir and the temp files of a
-    killed receiver (`.NAME.XXXXXX` next to a manifest file NAME). Nothing else is touched."""
+    killed receiver (`.NAME.XXXXXX` next to a manifest file NAME), and a chain's partial folder.
+    Nothing else is touched."""
     removed = []
-    partial = os.path.join(root, PARTIAL_DIR)
-    if os.path.isdir(partial):
-        shutil.rmtree(partial, ignore_errors=True)
-        removed.append(PARTIAL_DIR)
+    for name in (PARTIAL_DIR, CHAIN_PARTIAL):
+        partial = os.path.join(root, name)
+        if os.path.isdir(partial):
+            shutil.rmtree(partial, ignore_errors=True)
+            removed.append(name)
     for rel in extra:
         d, name = os.path.split(rel)
         m = RSYNC_TEMP.match(name)

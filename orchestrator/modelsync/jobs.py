@@ -85,11 +85,11 @@ def _root_args(host: "Host", root: str) -> tuple[str, ...]:
 
 
 def head_job(dep: "Deployment", st: Settings, marker: str = "") -> SyncJob:
-    """The head's manifest. With `source: head` it also proves the head can read the key and
-    known_hosts files its rsync will use (--require); MARKER: `NAME=NONCE` for `source: shared`."""
+    """The head's manifest. With `source: head` and direct distribution it also proves the head can read
+    the key and known_hosts files its rsync will use (--require); MARKER: `NAME=NONCE` for `source: shared`."""
     head = dep.cluster.head_host
     args = _root_args(head, dep.checkpoint_dir(head))
-    if not marker:
+    if not marker and dep.cluster.distribution == "direct":
         opts = [ssh_options(dep, w, st) for w in dep.cluster.workers]
         args += tuple(a for p in sorted({p for o in opts for p in (o.key_file, o.known_hosts_file) if p})
                       for a in ("--require", p))
@@ -106,6 +106,15 @@ def push_job(dep: "Deployment", worker: "Host", st: Settings) -> SyncJob:
     transfer = Transfer(dep.checkpoint_dir(head), worker.user, worker.address, root, worker.port,
                         ssh_options(dep, worker, st), st.io_timeout, st.timeout, st.bwlimit_mbps)
     return SyncJob(HostsideOp("verify", _root_args(worker, root) + rehash), transfer,
+                   HostsideOp("verify", _root_args(worker, root) + ("--clean",) + rehash))
+
+
+def chain_job(dep: "Deployment", worker: "Host", st: Settings) -> SyncJob:
+    """`distribution: chain`: verify the worker, receive what it lacks through the chain (chained.py), verify
+    again dropping the chain's partial folder. No transfer command: the chain is one run for all workers."""
+    root = dep.checkpoint_dir(worker)
+    rehash = ("--rehash",) if st.rehash else ()
+    return SyncJob(HostsideOp("verify", _root_args(worker, root) + rehash), None,
                    HostsideOp("verify", _root_args(worker, root) + ("--clean",) + rehash))
 
 

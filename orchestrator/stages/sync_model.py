@@ -6,7 +6,8 @@ The logic lives in orchestrator/modelsync/ (jobs.py, push.py, shared.py; hostsid
 """
 from __future__ import annotations
 
-from ..modelsync import jobs, push, shared
+from ..chain import route
+from ..modelsync import chained, jobs, push, shared
 from ..modelsync.settings import Settings, cache_file, revision_note
 from ..plan import Action
 from ..runoptions import RunOptions
@@ -43,6 +44,8 @@ def plan(dep, options: RunOptions):
                 f"copies nothing", command=wj.check.shown(w),
                 details={**details, "checkpoint_dir": dst, "shared_path": m.shared_path}, job=wj))
         return acts, f"source shared: nothing is copied; {what}"
+    if c.distribution == "chain":
+        return _chain_plan(dep, st, what, pinned, details)
     est = int(m.checkpoint_gb * 1e9)
     hj = jobs.head_job(dep, st)
     acts = [Action(NAME, head.name, "manifest",
@@ -66,8 +69,44 @@ def plan(dep, options: RunOptions):
     return acts, ""
 
 
+def _chain_plan(dep, st, what: str, pinned: str, details: dict):
+    """`distribution: chain`: the head's manifest, then per worker: verify, receive from its upstream
+    while forwarding to its downstream, verify again. The plan shows the chain with every worker in it;
+    the run leaves out those already exact."""
+    c, m = dep.cluster, dep.recipe.model
+    head = c.head_host
+    src = dep.checkpoint_dir(head)
+    hops = route.route(c, head.name, [w.name for w in c.workers])
+    note = route.networks_note(hops)
+    hj = jobs.head_job(dep, st)
+    acts = [Action(NAME, head.name, "manifest",
+                   f"manifest of {m.repo} {pinned} at {head.name}:{src}: path, size, sha256 per file (links followed; "
+                   f"hashes cached by size+mtime in {cache_file(head.nvme_dir, src)}); then the chain's source: "
+                   f"it reads and sends each file the workers lack once",
+                   command=hj.check.shown(head), details={**details, "distribution": "chain", "chain": note},
+                   job=hj)]
+    for i, hop in enumerate(hops[1:], start=1):
+        w = c.host(hop.host)
+        nxt = hops[i + 1].host if i + 1 < len(hops) else None
+        wj = jobs.chain_job(dep, w, st)
+        acts.append(Action(
+            NAME, w.name, "chain",
+            f"make {w.name}:{dep.checkpoint_dir(w)} exactly the head's {what}: verify by sha256 (cached), check "
+            f"free space, then receive from {hop.upstream} over the {hop.network} at {hop.address} "
+            + (f"while forwarding every byte to {nxt}, " if nxt else "(the chain's tail), ")
+            + "write only the files it lacks (sha256 checked before a file takes its name), verify again",
+            command=("ssh", f"{w.user}@{w.address}", "python3", "-c", "<bootstrap>", "<len(hostside/chain_node.py)>",
+                     "<stdin: the node's spec; the per-run secret is not shown>"),
+            details={**details, "checkpoint_dir": dep.checkpoint_dir(w), "distribution": "chain", "chain": note,
+                     "upstream": hop.upstream, "listen": hop.address, "network": hop.network, "downstream": nxt,
+                     "verify": list(wj.check.shown(w))}, job=wj))
+    return acts, note
+
+
 def apply(dep, actions, ctx):
-    return (shared if dep.recipe.model.source == "shared" else push).apply(dep, actions, ctx)
+    if dep.recipe.model.source == "shared":
+        return shared.apply(dep, actions, ctx)
+    return (chained if dep.cluster.distribution == "chain" else push).apply(dep, actions, ctx)
 
 
 STAGE = Stage(NAME, plan, apply, "give every node the exact checkpoint")

@@ -1,0 +1,161 @@
+"""The chain's pure route (order, addresses, which network) and its host-side node, run here as local
+processes over 127.0.0.1: pipelined forwarding, sha256 checked before a file takes its name, a stranger
+without the run's secret refused while the real upstream still gets through."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.chain import route
+from orchestrator.chain.run import BOOTSTRAP, SCRIPT
+from orchestrator.errors import InputError
+from orchestrator.hostside import chain_node, modelsync
+from orchestrator.inventory import load_inventory
+
+
+def _inventory(tmp_path: Path, hosts: dict, **cvars) -> Path:
+    inv = {"all": {"vars": {"deployment": "ch", "recipe": "deepseek-v41-flash-tp4", "head": "n1", **cvars},
+                   "hosts": {name: {"ansible_host": f"10.0.0.{i + 1}", "rank": i, "hardware": "dgx-spark",
+                                    "nvme_dir": "/nvme", "model_cache": "/models", **extra}
+                             for i, (name, extra) in enumerate(hosts.items())}}}
+    p = tmp_path / "inv.yml"
+    p.write_text(yaml.safe_dump(inv))
+    return p
+
+
+def test_switch_chain_is_rank_order_over_the_fabric_addresses(tmp_path):
+    c = load_inventory(_inventory(tmp_path, {f"n{k}": {"fabric_address": f"192.168.100.1{k}/24"} for k in (1, 2, 3, 4)},
+                                  distribution="chain"))
+    assert c.distribution == "chain"
+    hops = route.route(c, "n1", ["n4", "n2", "n3"])
+    assert [(h.upstream, h.host, h.address, h.network) for h in hops[1:]] == [
+        ("n1", "n2", "192.168.100.12", "fabric"), ("n2", "n3", "192.168.100.13", "fabric"),
+        ("n3", "n4", "192.168.100.14", "fabric")]
+    assert route.networks_note(hops) == "chain n1 -> n2 -> n3 -> n4, every hop over the fabric"
+
+
+def test_a_host_without_a_fabric_address_is_reached_over_management_and_the_plan_says_so(tmp_path):
+    c = load_inventory(_inventory(tmp_path, {"n1": {"fabric_address": "192.168.100.11"}, "n2": {},
+                                             "n3": {"fabric_address": "192.168.100.13"}}))
+    assert c.distribution == "direct"                     # the default
+    hops = route.route(c, "n1", ["n2", "n3"])
+    assert (hops[1].address, hops[1].network) == ("10.0.0.2", "management")
+    assert "MANAGEMENT network to n2" in route.networks_note(hops)
+
+
+def test_ring_chain_follows_the_cables(tmp_path):
+    ring = {  # n1-n2, n2-n4, n4-n3, n3-n1: rank order would cross a missing cable (n2-n3)
+        "n1": {"fabric_links": {"n2": {"iface": "a", "address": "10.1.12.1/30"}, "n3": {"iface": "b", "address": "10.1.13.1/30"}}},
+        "n2": {"fabric_links": {"n1": {"iface": "a", "address": "10.1.12.2/30"}, "n4": {"iface": "b", "address": "10.1.24.1/30"}}},
+        "n3": {"fabric_links": {"n4": {"iface": "a", "address": "10.1.34.2/30"}, "n1": {"iface": "b", "address": "10.1.13.2/30"}}},
+        "n4": {"fabric_links": {"n2": {"iface": "a", "address": "10.1.24.2/30"}, "n3": {"iface": "b", "address": "10.1.34.1/30"}}},
+    }
+    c = load_inventory(_inventory(tmp_path, ring, fabric_topology="mesh"))
+    hops = route.route(c, "n1", ["n2", "n3", "n4"])
+    assert [h.host for h in hops] == ["n1", "n2", "n4", "n3"]
+    assert [h.address for h in hops[1:]] == ["10.1.12.2", "10.1.24.2", "10.1.34.2"]   # each its end of the cable
+    assert all(h.network == "fabric" for h in hops[1:])
+
+
+def test_bad_distribution_names_the_key(tmp_path):
+    with pytest.raises(InputError, match="all.vars.distribution"):
+        load_inventory(_inventory(tmp_path, {"n1": {}}, distribution="torrent"))
+
+
+def test_the_partial_folder_has_one_name():
+    assert modelsync.CHAIN_PARTIAL == chain_node.PARTIAL
+
+
+# -- the node, as local processes ------------------------------------------------------------------
+
+def _start(spec: dict) -> subprocess.Popen:
+    script = SCRIPT.read_bytes()
+    p = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, str(len(script))], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdin.write(script + json.dumps(spec).encode() + b"\n")
+    p.stdin.flush()
+    return p
+
+
+def _first(p: subprocess.Popen) -> dict:
+    return json.loads(p.stdout.readline())
+
+
+def _wire(p: subprocess.Popen, nxt) -> None:
+    p.stdin.write(json.dumps({"next": nxt}).encode() + b"\n")
+    p.stdin.flush()
+
+
+def _done(p: subprocess.Popen) -> tuple[int, dict, str]:
+    """Read to the node's last report, then close its stdin (which would have stopped it at once)."""
+    for line in p.stdout:
+        doc = json.loads(line)
+        if doc["ev"] == "done":
+            break
+    out, err = p.communicate(timeout=60)
+    return p.returncode, doc, err.decode()
+
+
+def _spec(role: str, root: Path, secret: str, **more) -> dict:
+    return {"role": role, "run": "r1", "secret": secret, "bind": "127.0.0.1", "root": str(root),
+            "stall_s": 10, "deadline_s": 60, "accept_s": 20, **more}
+
+
+def test_nodes_forward_verify_and_refuse_a_stranger(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    data = {"a.bin": os.urandom(3_000_000), "sub/b.json": b'{"x": 1}', "c.bin": os.urandom(1_500_000)}
+    for rel, b in data.items():
+        (src / rel).write_bytes(b)
+    files = [[rel, len(b), hashlib.sha256(b).hexdigest()] for rel, b in sorted(data.items())]
+    next(f for f in files if f[0] == "c.bin")[2] = "0" * 64   # the manifest disagrees with c.bin's bytes
+    secret = os.urandom(32).hex()
+    r1, r2 = tmp_path / "r1", tmp_path / "r2"
+    n1 = _start(_spec("relay", r1, secret, need=["a.bin", "sub/b.json", "c.bin"]))
+    n2 = _start(_spec("relay", r2, secret, need=["sub/b.json"]))
+    p1, p2 = _first(n1)["port"], _first(n2)["port"]
+    _wire(n2, None)
+    _wire(n1, ["127.0.0.1", p2])
+    # a stranger connects first with a wrong proof: refused, the node keeps listening
+    with socket.create_connection(("127.0.0.1", p1), timeout=5) as s:
+        nonce = s.recv(chain_node.NONCE)
+        s.sendall(chain_node.proof(b"wrong", "r1", "up", nonce) + os.urandom(chain_node.NONCE))
+        assert s.recv(64) == b""                      # closed without the node's own proof
+    source = _start(_spec("source", src, secret, files=files))
+    assert _first(source) == {"ev": "ready"}
+    _wire(source, ["127.0.0.1", p1])
+    rc_s, done_s, _ = _done(source)
+    rc1, done1, err1 = _done(n1)
+    rc2, done2, _ = _done(n2)
+    assert rc_s == 0 and done_s["ok"] and done_s["fwd"] > 4_500_000
+    assert "refused 127.0.0.1" in err1
+    # the middle node forwarded every byte it received, wrote a.bin and sub/b.json, refused c.bin
+    assert done1["recv"] == done1["fwd"] == done_s["fwd"]
+    assert (r1 / "a.bin").read_bytes() == data["a.bin"] and (r1 / "sub/b.json").read_bytes() == data["sub/b.json"]
+    assert not (r1 / "c.bin").exists() and not (r1 / chain_node.PARTIAL / "c.bin").exists()
+    assert rc1 == 1 and not done1["ok"] and "c.bin" in done1["bad"][0] and done1["missing"] == ["c.bin"]
+    # the tail wrote only what it lacks, forwarded nothing
+    assert rc2 == 0 and done2["ok"] and done2["fwd"] == 0 and done2["recv"] == done1["fwd"]
+    assert sorted(p.name for p in r2.rglob("*") if p.is_file()) == ["b.json"]
+
+
+def test_a_path_out_of_the_folder_is_refused(tmp_path):
+    secret = os.urandom(32).hex()
+    n = _start(_spec("relay", tmp_path / "r", secret, need=["../evil"]))
+    port = _first(n)["port"]
+    _wire(n, None)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        chain_node.handshake_connecting(s, bytes.fromhex(secret), "r1")
+        head = json.dumps({"path": "../evil", "size": 1, "sha256": "0" * 64}).encode()
+        s.sendall(chain_node.HDR.pack(b"H", len(head)) + head)
+        rc, done, _ = _done(n)
+    assert rc == 1 and "outside the checkpoint folder" in done["up_lost"]
+    assert not (tmp_path / "evil").exists()
