@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import sys
 import subprocess
 import time
 from pathlib import Path
@@ -147,3 +149,90 @@ def test_node_killed_mid_chain_is_named_and_the_rest_complete(cluster, chained):
     assert res["node3"]["status"] == "ok" and 0 < res["node3"]["data"]["files_sent"] < SHARDS + 2, res["node3"]
     assert_exact(cluster, repo, rev)
     assert not _chain_pids(node3)
+
+
+# -- the image ---------------------------------------------------------------------------------------
+
+IMAGE = "dctl-chain-img:1"
+
+
+def _docker(cluster, host: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", "-H", cluster.host(host).docker_host, *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "DOCKER_BUILDKIT": "0"})
+
+
+def _config(cluster, host: str) -> str | None:
+    r = _docker(cluster, host, "image", "inspect", "--format", "{{.Id}} {{json .RootFS.Layers}}", IMAGE)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def test_image_crosses_the_fabric_once_and_every_worker_verifies_it(cluster, chained, tmp_path):
+    from tests.cluster import BUSYBOX_IMAGE, ensure_base_images
+    ensure_base_images(debian=False)
+    cluster.load_image("node1", BUSYBOX_IMAGE)
+    for h in ("node2", "node3", "node4"):
+        _docker(cluster, h, "image", "rm", "-f", IMAGE)
+    (tmp_path / "Dockerfile").write_text("FROM dctl-busybox:latest\nRUN head -c 100000000 /dev/urandom > /weights\n")
+    assert _docker(cluster, "node1", "build", "-q", "-t", IMAGE, str(tmp_path)).returncode == 0
+    want = _config(cluster, "node1")
+    before = counters(cluster)
+    p = subprocess.run([sys.executable, "-m", "orchestrator", "ship", "-i", str(chained["inv"]), "--image", IMAGE,
+                        "--json"], capture_output=True, text=True, timeout=300, cwd=chained["cwd"])
+    sent = delta(before, counters(cluster))
+    assert p.returncode == 0, p.stderr
+    res = {r["host"]: r for s in json.loads(p.stdout)["stages"] for r in s["results"]}
+    for w, up in (("node2", "node1"), ("node3", "node2"), ("node4", "node3")):
+        d = res[w]["data"]
+        assert res[w]["status"] == "ok" and d["distribution"] == "chain" and d["upstream"] == up, res[w]
+        assert d["network"] == "fabric" and f"from {up} over the fabric" in res[w]["message"]
+        assert _config(cluster, w) == want                  # the worker's own engine: same config and layers
+    stream = res["node2"]["data"]["bytes_sent"]             # what the first hop received: the filtered save
+    assert stream > 100_000_000
+    assert stream <= sent["node1"]["fabric"] <= 1.05 * stream, sent
+    for w in ("node2", "node3"):
+        assert stream <= sent[w]["fabric"] <= 1.05 * stream, sent
+    assert sent["node4"]["fabric"] < 0.01 * stream
+    assert sum(v["management"] for v in sent.values()) < 0.01 * stream, sent
+    for h in cluster.hosts:
+        assert not _chain_pids(h), h.name
+
+
+def _received(host) -> int:
+    """The most bytes any TCP connection in HOST's namespace has received (the kernel's count, `ss -ti`)."""
+    out = subprocess.run(["ip", "netns", "exec", host.netns, "ss", "-tinH", "state", "established"],
+                         capture_output=True, text=True, timeout=10).stdout
+    return max((int(x) for x in re.findall(r"bytes_received:(\d+)", out)), default=0)
+
+
+def test_image_chain_node_killed_is_named_and_the_rest_load_it(cluster, chained):
+    for h in ("node2", "node3", "node4"):
+        _docker(cluster, h, "image", "rm", "-f", IMAGE)
+    want = _config(cluster, "node1")
+    assert want, "the image test before builds it"
+    cluster.throttle_link("node1", "node2", 200)          # ~4 s for the 100 MB
+    argv = [sys.executable, "-m", "orchestrator", "ship", "-i", str(chained["inv"]), "--image", IMAGE, "--json"]
+    p = subprocess.Popen(argv, cwd=chained["cwd"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if _received(cluster.host("node3")) > 30_000_000:
+                pids = _chain_pids(cluster.host("node3"))
+                break
+            assert p.poll() is None and time.monotonic() < deadline, "node3 never received 30 MB"
+            time.sleep(0.05)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        out, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        cluster.unthrottle_link("node1", "node2")
+    assert p.returncode == 1, err
+    res = {r["host"]: r for s in json.loads(out)["stages"] for r in s["results"]}
+    assert res["node3"]["status"] == "failed" and "ended without a result" in res["node3"]["message"], res["node3"]
+    assert res["node2"]["status"] == "ok" and _config(cluster, "node2") == want
+    d4 = res["node4"]["data"]
+    assert res["node4"]["status"] == "ok" and d4["passes"] == 2 and d4["cut"] == ["node3"], res["node4"]
+    assert "node3 was cut out" in res["node4"]["message"] and _config(cluster, "node4") == want
+    assert _config(cluster, "node3") is None              # no half image under its name
+    assert "node3" in err

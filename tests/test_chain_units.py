@@ -95,11 +95,13 @@ def _wire(p: subprocess.Popen, nxt) -> None:
 
 
 def _done(p: subprocess.Popen) -> tuple[int, dict, str]:
-    """Read to the node's last report, then close its stdin (which would have stopped it at once)."""
+    """Read to the node's last report and its exit; only then close its stdin (which stops a running
+    node at once, exit 4: the controller gone)."""
     for line in p.stdout:
         doc = json.loads(line)
         if doc["ev"] == "done":
             break
+    p.wait(timeout=60)
     out, err = p.communicate(timeout=60)
     return p.returncode, doc, err.decode()
 

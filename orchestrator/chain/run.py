@@ -50,8 +50,7 @@ class NodeOutcome:
     written: list[str] = field(default_factory=list)    # files it completed (sha256 checked)
     recv: int = 0
     fwd: int = 0
-    first_byte: float | None = None
-    last_byte: float | None = None
+    stream_s: float = 0.0               # the node's own clock: first to last byte received
 
     @property
     def ok(self) -> bool:
@@ -60,12 +59,17 @@ class NodeOutcome:
     @property
     def dead(self) -> bool:
         """Failed itself, as opposed to cut off by a dead upstream (which a repair pass can finish)."""
-        return bool(self.error) or bool(self.done and self.done.get("bad"))
+        d = self.done or {}
+        return bool(self.error) or bool(d.get("bad")) or self.sink_failed
+
+    @property
+    def sink_failed(self) -> bool:
+        """Stream mode: the whole stream came and the local command (docker load) still failed."""
+        d = self.done or {}
+        return d.get("sink_rc") not in (None, 0) and not d.get("up_lost")
 
     def rate(self) -> float:
-        if self.first_byte is None or self.last_byte is None or self.last_byte <= self.first_byte:
-            return 0.0
-        return self.recv / (self.last_byte - self.first_byte)
+        return self.recv / self.stream_s if self.stream_s > 0 else 0.0
 
     def why(self) -> str:
         if self.error:
@@ -73,6 +77,8 @@ class NodeOutcome:
         d = self.done or {}
         if d.get("bad"):
             return "received file(s) that do not match the manifest: " + "; ".join(d["bad"][:3])
+        if self.sink_failed:
+            return f"the whole stream arrived and its load failed (exit {d['sink_rc']})"
         if d.get("up_lost"):
             return f"cut off from {self.upstream or 'its upstream'}: {d['up_lost']}"
         if d.get("missing_count"):
@@ -80,28 +86,37 @@ class NodeOutcome:
         return "no result"
 
 
-def run_pass(cluster: "Cluster", hops: list[Hop], roots: dict[str, str], files: list[list],
-             needs: dict[str, list[str]], t: Timeouts, on_event: Callable[[str, dict], None],
-             cancel: threading.Event | None = None) -> dict[str, NodeOutcome]:
-    """Stream FILES ([rel, size, sha256], in order) from hops[0] (reading roots[source]) through the
-    chain; each relay writes the files of needs[host] under roots[host]. ON_EVENT(host, doc) gets
-    every progress/file/done report as it comes."""
+def run_pass(cluster: "Cluster", hops: list[Hop], specs: dict[str, dict], t: Timeouts,
+             on_event: Callable[[str, dict], None], cancel: threading.Event | None = None,
+             source: "Callable[[str, int, str, str], str] | None" = None) -> dict[str, NodeOutcome]:
+    """One pass through HOPS (hops[0] is the source). SPECS: each node's part of its spec (files mode:
+    root, files (the source's), need; stream mode: mode, sink). SOURCE: instead of a node on hops[0],
+    a function run once the chain is wired, SOURCE(next address, next port, secret, run id) -> "" or
+    why it failed (the image: the ship agent on the head). ON_EVENT(host, doc) gets every node report."""
     secret, run_id = secrets.token_hex(32), secrets.token_hex(6)
     script = SCRIPT.read_bytes()
     ports: dict[str, int] = {}
     barrier = threading.Barrier(len(hops), timeout=t.accept_s)
     outs = {h.host: NodeOutcome(h.host, h.upstream, h.network) for h in hops}
 
+    def external(hop: Hop) -> None:
+        o = outs[hop.host]
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            o.error = "the chain was not wired: a node failed to start (see it)"
+            return
+        nxt = hops[1]
+        o.error = source(nxt.address, ports[nxt.host], secret, run_id) if source else "no source"
+        o.done = {"ok": not o.error}
+
     def node(i: int, hop: Hop) -> None:
         from ..executors.ssh import SSHError, SSHTarget
         o = outs[hop.host]
         host = cluster.host(hop.host)
-        spec = {"role": "source" if i == 0 else "relay", "run": run_id, "secret": secret,
-                "bind": hop.address, "root": roots[hop.host], "files": files if i == 0 else [],
-                "need": needs.get(hop.host, []), "stall_s": t.stall_s, "deadline_s": t.deadline_s,
-                "accept_s": t.accept_s}
+        spec = {"role": "source" if i == 0 else "relay", "run": run_id, "secret": secret, "bind": hop.address,
+                "stall_s": t.stall_s, "deadline_s": t.deadline_s, "accept_s": t.accept_s, **specs.get(hop.host, {})}
         wired = False
-
         def line(kind: str, text: str) -> None:
             if kind != "out":
                 o.tail = (o.tail + [text])[-20:]
@@ -113,11 +128,7 @@ def run_pass(cluster: "Cluster", hops: list[Hop], roots: dict[str, str], files: 
             ev = doc.get("ev")
             if ev in ("p", "done"):
                 o.recv, o.fwd = int(doc.get("recv") or 0), int(doc.get("fwd") or 0)
-                now = time.monotonic()
-                if o.recv and o.first_byte is None:
-                    o.first_byte = now
-                if o.recv and (o.last_byte is None or ev == "p"):
-                    o.last_byte = now
+                o.stream_s = float(doc.get("stream_s") or 0.0)
             if ev == "file":
                 o.written.append(doc["path"])
             if ev == "done":
@@ -165,7 +176,8 @@ def run_pass(cluster: "Cluster", hops: list[Hop], roots: dict[str, str], files: 
         if not wired:
             barrier.abort()
 
-    threads = [threading.Thread(target=node, args=(i, h), daemon=True) for i, h in enumerate(hops)]
+    threads = [threading.Thread(target=external, args=(h,), daemon=True) if i == 0 and source else
+               threading.Thread(target=node, args=(i, h), daemon=True) for i, h in enumerate(hops)]
     for th in threads:
         th.start()
     for th in threads:

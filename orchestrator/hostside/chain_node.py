@@ -6,13 +6,18 @@ moment it arrives, then writes the files it needs. Distribution then takes about
 whatever the node count, and the bytes travel between neighbours over the addresses the controller
 gives (the fabric's).
 
-Started by the controller as `python3 -c BOOTSTRAP N` (orchestrator/chain/remote.py): the first N
+Started by the controller as `python3 -c BOOTSTRAP N` (orchestrator/chain/run.py): the first N
 bytes of stdin are this source, then JSON lines on stdin:
-  1. the spec: {"role": "source"|"relay", "run": ID, "secret": HEX, "bind": ADDR, "root": DIR,
-     "files": [[rel, size, sha256], ...] (the stream, in order), "need": [rel, ...] (what this node
-     writes), "stall_s", "deadline_s", "accept_s"}
+  1. the spec: {"role": "source"|"relay", "mode": "files"|"stream", "run": ID, "secret": HEX,
+     "bind": ADDR, "stall_s", "deadline_s", "accept_s", and per mode:
+     files: "root": DIR, "files": [[rel, size, sha256], ...] (the source's stream, in order),
+            "need": [rel, ...] (what this node writes);
+     stream: "sink": ARGV, a local command fed every byte (the image: ship_relay.py -> docker load)}
   2. once every node listens: {"next": [ADDR, PORT]} or {"next": null} (the chain's tail).
 stdin's end = the controller is gone: the node stops at once (nothing is left running or listening).
+`python3 -c SOURCE pipe SPEC` is the source of a stream chain: it sends its own stdin (the ship
+agent's output on the head) to SPEC's next hop; the secret comes in its environment
+(DEPLOYCTL_CHAIN_SECRET, set by the agent from the controller's channel), never in argv.
 
 Wire (TCP, one connection per hop): a mutual HMAC-SHA256 challenge over a per-run secret (the secret
 travels only inside the controller's SSH channels, never in argv or on disk), then frames:
@@ -34,6 +39,7 @@ import json
 import os
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -43,6 +49,8 @@ HDR = struct.Struct(">cI")
 CHUNK = 1 << 20
 NONCE = 16
 PROGRESS_S = 1.0
+SECRET_ENV = "DEPLOYCTL_CHAIN_SECRET"
+TAIL = 30
 
 
 class Fail(Exception):
@@ -99,7 +107,7 @@ class Node:
         self.spec, self.out = spec, out
         self.secret = bytes.fromhex(spec["secret"])
         self.run = spec["run"]
-        self.root = spec["root"]
+        self.root = spec.get("root", "")
         self.stall = float(spec.get("stall_s", 60))
         self.need = set(spec.get("need", ()))
         self.recv = self.fwd = self.written = 0
@@ -110,6 +118,11 @@ class Node:
         self.done_files: list[str] = []
         self.current = ""
         self.finished = False
+        self.t_first = self.t_last = 0.0         # first and last byte received (the rate's clock)
+        self.mode = spec.get("mode", "files")
+        self.sink: subprocess.Popen | None = None
+        self.sink_tail: list[str] = []
+        self.sink_rc: int | None = None
 
     # -- downstream ---------------------------------------------------------------------------------
     def connect_next(self, nxt) -> None:
@@ -205,7 +218,12 @@ class Node:
                 self.up_lost = "the previous node closed the stream before its end mark"
                 break
             self.recv += len(data)
+            self.t_last = time.monotonic()
+            self.t_first = self.t_first or self.t_last
             self.forward(data)                # downstream first: the chain is pipelined
+            if self.mode == "stream":
+                self.feed(data)
+                continue
             buf += data
             pos = 0
             while len(buf) - pos >= HDR.size:
@@ -218,6 +236,48 @@ class Node:
         if state.get("f"):
             state["f"].close()                # an incomplete file stays in the partial folder
         self.close_down()
+        if self.sink is not None:
+            self.end_sink()
+
+    # -- stream mode: every byte into a local command -------------------------------------------------
+    def start_sink(self) -> None:
+        self.sink = subprocess.Popen(self.spec["sink"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, bufsize=0)
+        threading.Thread(target=self._read_sink, daemon=True).start()
+
+    def _read_sink(self) -> None:
+        assert self.sink is not None and self.sink.stdout is not None
+        for line in iter(self.sink.stdout.readline, b""):
+            self.sink_tail = (self.sink_tail + [line.decode("utf-8", "replace").rstrip()])[-TAIL:]
+
+    def feed(self, data: bytes) -> None:
+        """Into the sink; a sink that ended (its stream's own check failed, docker load failed) is not
+        fed further, and this node still forwards: the nodes after it need the bytes."""
+        if self.sink is None or self.sink.stdin is None or self.sink.stdin.closed:
+            return
+        try:
+            self.sink.stdin.write(data)
+            self.written += len(data)
+        except (BrokenPipeError, OSError, ValueError):
+            self.sink.stdin.close()
+
+    def end_sink(self) -> None:
+        """The stream ended (whole or not): the sink decides. ship_relay.py loads only a stream that
+        carried its end mark, and stops docker load otherwise (no half image)."""
+        assert self.sink is not None
+        try:
+            if self.sink.stdin is not None and not self.sink.stdin.closed:
+                self.sink.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.sink_rc = self.sink.wait(timeout=float(self.spec.get("sink_timeout_s", 1800)))
+        except subprocess.TimeoutExpired:
+            self.sink.kill()
+            self.sink_rc = self.sink.wait()
+            self.sink_tail.append("chain node: the sink did not finish in time and was stopped")
+        time.sleep(0.05)
+        self.finished = self.sink_rc == 0
 
     def source(self) -> None:
         for rel, size, sha in self.spec["files"]:
@@ -246,7 +306,8 @@ class Node:
             self.forward(payload)
 
     def report(self) -> dict:
-        return {"recv": self.recv, "fwd": self.fwd, "written": self.written, "file": self.current}
+        return {"recv": self.recv, "fwd": self.fwd, "written": self.written, "file": self.current,
+                "stream_s": round(self.t_last - self.t_first, 3)}
 
 
 def accept_upstream(lsock: socket.socket, node: Node, deadline: float) -> socket.socket:
@@ -305,6 +366,8 @@ def main() -> int:
     rc = 0
     try:
         node.connect_next(nxt)
+        if node.mode == "stream" and lsock is not None:
+            node.start_sink()
         if lsock is not None:
             up = accept_upstream(lsock, node, time.monotonic() + float(spec.get("accept_s", 60)))
             lsock.close()                         # nothing listens after the upstream connected
@@ -319,13 +382,36 @@ def main() -> int:
     finally:
         if lsock is not None:
             lsock.close()
+    if node.sink is not None and node.sink_rc is None:
+        node.end_sink()
     missing = sorted(node.need - set(node.done_files))
     ok = node.finished and not node.bad and not missing if spec["role"] == "relay" else node.finished
+    extra = {"sink_rc": node.sink_rc, "sink_tail": node.sink_tail} if node.mode == "stream" else {}
     out.emit(ev="done", ok=bool(ok and rc == 0), files=len(node.done_files), missing=missing[:50],
              missing_count=len(missing), bad=node.bad, up_lost=node.up_lost, down_lost=node.down_lost,
-             seconds=round(time.monotonic() - started, 3), **node.report())
+             seconds=round(time.monotonic() - started, 3), **extra, **node.report())
     return 0 if ok and rc == 0 else 1
 
 
+def pipe_source(spec: dict) -> int:
+    """The source of a stream chain: this process's stdin to the next hop, as it comes."""
+    spec = dict(spec, secret=os.environ.pop(SECRET_ENV, ""))
+    node = Node(spec, Out())
+    node.connect_next(spec["next"])
+    if node.down is None:
+        sys.stderr.write(f"chain source: {node.down_lost}\n")
+        return 1
+    while True:
+        data = os.read(0, CHUNK)
+        if not data:
+            break
+        node.forward(data)
+        if node.down is None:
+            sys.stderr.write(f"chain source: {node.down_lost}\n")
+            return 1
+    node.close_down()
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pipe_source(json.loads(sys.argv[2])) if sys.argv[1:2] == ["pipe"] else main())

@@ -13,7 +13,9 @@ started and exits.
 Output (stdout): one JSON object a line. {"ev": "start"}, {"ev": "p", ...} heartbeats with byte
 counts every `progress_s`, {"ev": "layer", ...} per layer folder, last {"ev": "done", ...}.
 SPEC (argv[1], JSON): image_id, diff_ids, blob_diffs (blob digest -> diff_id), save (argv), workers [{name, argv, send: [layer index]}],
-need_files [paths the ssh to workers needs], stall_s, deadline_s, load_timeout_s, progress_s, queue.
+need_files [paths the ssh to workers needs], stall_s, deadline_s, load_timeout_s, progress_s, queue,
+env_from_stdin (then the first line of stdin is a JSON object of environment variables for the
+workers' commands: a chain's secret, orchestrator/chain/).
 """
 from __future__ import annotations
 
@@ -102,9 +104,10 @@ class Worker:
             except OSError:
                 pass
 
-    def start(self) -> None:
+    def start(self, env: dict | None = None) -> None:
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
+                                     stderr=subprocess.STDOUT, bufsize=0, start_new_session=True,
+                                     env=dict(os.environ, **env) if env else None)
         threading.Thread(target=self._read_output, daemon=True).start()
         threading.Thread(target=self._write, daemon=True).start()
 
@@ -190,6 +193,7 @@ class Agent:
         self.save_tail: "collections.deque[str]" = collections.deque(maxlen=TAIL_LINES)
         self.save_bytes = 0
         self.phase = "starting"
+        self.env: dict = {}                    # for the workers' commands, from the controller's channel
 
     # -- watchers ---------------------------------------------------------------------------------
     def _watch_controller(self) -> None:
@@ -244,7 +248,7 @@ class Agent:
         self.out.emit(ev="start", workers=[w.name for w in self.workers])
         for w in self.workers:
             try:
-                w.start()
+                w.start(self.env)
             except OSError as e:
                 w.fail("ssh", f"cannot start ssh on the head: {e}")
         self.phase = "save"
@@ -351,10 +355,25 @@ def _tail_note(lines, n: int = 5) -> str:
     return (": " + " | ".join(lines[-n:])) if lines else ""
 
 
+def read_line_raw() -> bytes:
+    """The first line of stdin, read from the raw fd (the controller watch reads it the same way)."""
+    buf = b""
+    while not buf.endswith(b"\n"):
+        got = os.read(0, 4096)
+        if not got:
+            break
+        buf += got
+    return buf
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     out = Out()
     agent = Agent(spec, out)
+    if spec.get("env_from_stdin"):
+        # secrets for the workers' commands (a chain's per-run secret): through the controller's SSH
+        # channel into their environment, never in an argv that `ps` shows
+        agent.env = json.loads(read_line_raw() or b"{}")
     res = agent.run()
     out.emit(ev="done", **res)
     return 0

@@ -95,8 +95,9 @@ def distribute(dep: "Deployment", m: Manifest, wants: dict[str, Wanted], st: Set
             elif host in wants and doc.get("ev") == "file":
                 wants[host].log.write(f"received {doc['path']} ({doc['bytes']} bytes), sha256 matches the manifest")
 
-        roots = {h.host: dep.checkpoint_dir(c.host(h.host)) for h in hops}
-        outs = run_pass(c, hops, roots, files, {h: need[h] for h in targets}, timeouts(st, nbytes), on_event, cancel)
+        specs = {h.host: {"mode": "files", "root": dep.checkpoint_dir(c.host(h.host)), "need": need.get(h.host, []),
+                          **({"files": files} if h.host == source else {})} for h in hops}
+        outs = run_pass(c, hops, specs, timeouts(st, nbytes), on_event, cancel)
         src = outs[source]
         low = slowest(outs, hops)
         ctx.say(f"  sync-model pass {n} done" + (f"; slowest hop: {low.upstream} -> {low.host} at "

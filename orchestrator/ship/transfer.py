@@ -313,30 +313,42 @@ def worker_ssh_argv(worker: "Host", cluster: "Cluster", key_file: str | None, kn
             argv += ["-o", f"UserKnownHostsFile={known_hosts}"]
     else:
         argv += ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"]
-    # the relay on the worker stops docker load when the head goes quiet (see relay.py)
-    remote = ["python3", "-c", (HOSTSIDE / "ship_relay.py").read_text(), f"{t.stall_s:g}",
-              *docker_argv(worker, "load")]
-    return argv + [f"{worker.user}@{worker.address}", shlex.join(remote)]
+    return argv + [f"{worker.user}@{worker.address}", shlex.join(worker_load_argv(worker, t))]
+
+
+def worker_load_argv(worker: "Host", t: Timeouts) -> list[str]:
+    """What runs on the worker: the relay (it stops docker load when the stream goes quiet or ends
+    without its end mark, see ship_relay.py) in front of `docker load`."""
+    return ["python3", "-c", (HOSTSIDE / "ship_relay.py").read_text(), f"{t.stall_s:g}",
+            *docker_argv(worker, "load")]
 
 
 @dataclass(frozen=True)
 class ShipJob:
     """What ship runs for one worker, as planned: the head's `ssh worker ... relay ... docker load`
-    argv, the files the head must hold for it (its key, known_hosts), and the timeouts."""
+    argv, the files the head must hold for it (its key, known_hosts), and the timeouts. CHAIN: the
+    worker's own `relay ... docker load` (fed by its chain node, orchestrator/ship/chained.py); the
+    head then needs no SSH credential for the workers."""
     load_argv: tuple[str, ...]
     need_files: tuple[str, ...]
     timeouts: Timeouts
+    chain: bool = False
 
     def shown(self) -> str:
         """The load command for people, as ssh sends it (its last word is the worker's command line,
         which ssh passes on as is), with the relay program (sent inline) named, not printed."""
-        relay = shlex.quote((HOSTSIDE / "ship_relay.py").read_text())
+        relay = (HOSTSIDE / "ship_relay.py").read_text()
+        if self.chain:
+            return "<chain node> | " + shlex.join(self.load_argv).replace(shlex.quote(relay), "<hostside/ship_relay.py>")
+        relay = shlex.quote(relay)
         *ssh, remote = self.load_argv
         return f"{shlex.join(ssh)} {remote.replace(relay, '<hostside/ship_relay.py>')}"
 
 
 def ship_job(worker: "Host", cluster: "Cluster", key_file: str | None, known_hosts: str | None,
              t: Timeouts) -> ShipJob:
+    if cluster.distribution == "chain":
+        return ShipJob(tuple(worker_load_argv(worker, t)), (), t, chain=True)
     need = tuple(p for p in (key_file, known_hosts if cluster.host_key_checking else None) if p)
     return ShipJob(tuple(worker_ssh_argv(worker, cluster, key_file, known_hosts, t)), need, t)
 
@@ -352,8 +364,9 @@ def agent_spec(head: HeadImage, head_host: "Host", sends: dict[str, list[int]], 
 
 
 def run_agent(s: "SSHSession", spec: dict[str, Any], on_event: Callable[[dict], None],
-              cancel: threading.Event, t: Timeouts) -> dict[str, Any]:
-    """Run the agent on the head; each JSON line goes to on_event; returns its final "done" record."""
+              cancel: threading.Event, t: Timeouts, stdin: bytes = b"") -> dict[str, Any]:
+    """Run the agent on the head; each JSON line goes to on_event; returns its final "done" record.
+    STDIN: the first line the agent reads with spec env_from_stdin (secrets for its workers)."""
     # Imported here: planning imports this module (plan_sends) and must not load paramiko
     # (tests/test_plan.py test_planning_is_pure). Not a cycle.
     from ..executors.ssh import SSHSilent, SSHTimeout
@@ -374,6 +387,8 @@ def run_agent(s: "SSHSession", spec: dict[str, Any], on_event: Callable[[dict], 
 
     # The agent beats every heartbeat_s: silence longer than head_silence_s is a lost head.
     with s.open_exec(argv, keep=16384) as ex:
+        if stdin:
+            ex.write(stdin)
         try:
             rc = ex.read(line, timeout=t.deadline_s + t.load_s + 120, idle_timeout=t.head_silence_s,
                          cancel=cancel)
@@ -434,6 +449,7 @@ class WorkerOutcome:
     message: str = ""
     rc: int | None = None
     tail: list[str] = field(default_factory=list)
+    chain: dict = field(default_factory=dict)      # a chain's hop: upstream, network, forwarded, pass, cut
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from ..executors.docker_cli import docker_sh
 from ..outcomes import HostFailure, HostResult, run_per_host
 from ..plan import Action
 from ..runoptions import RunOptions
+from ..chain import route
+from ..ship import chained
 from ..ship import transfer as tr
 from ..ship.progress import ShipProgress
 from ..ship.transfer import Timeouts
@@ -29,6 +31,8 @@ def plan(dep, options: RunOptions):
     """One action per worker carrying its ShipJob (the head's load command for it), which apply runs."""
     e, c, head = dep.recipe.engine, dep.cluster, dep.cluster.head_host
     t = _timeouts(options)
+    if c.distribution == "chain":
+        return _chain_plan(dep, t)
     acts = []
     for w in c.workers:
         job = tr.ship_job(w, c, options.ship_head_ssh_key or w.key_file,
@@ -41,6 +45,28 @@ def plan(dep, options: RunOptions):
                      f"| <deployctl ship agent: only the layers {w.name} lacks> | {job.shown()}"),
             details={"image": e.image, "from": head.name, "to": w.name, "timeouts": vars(t)}, job=job))
     return acts, "" if acts else "single host: nothing to ship"
+
+
+def _chain_plan(dep, t: Timeouts):
+    """`distribution: chain`: the head's save streams once through every worker that lacks layers."""
+    e, c, head = dep.recipe.engine, dep.cluster, dep.cluster.head_host
+    hops = route.route(c, head.name, [w.name for w in c.workers])
+    note = route.networks_note(hops)
+    acts = []
+    for i, hop in enumerate(hops[1:], start=1):
+        w = c.host(hop.host)
+        nxt = hops[i + 1].host if i + 1 < len(hops) else None
+        job = tr.ship_job(w, c, None, None, t)
+        acts.append(Action(
+            "ship", w.name, "image-chain",
+            f"receive the layers of {e.image} that the workers lack, from {hop.upstream} over the {hop.network} at "
+            f"{hop.address}" + (f", forwarding every byte to {nxt} as it arrives" if nxt else " (the chain's tail)")
+            + f"; load those {w.name} lacks into its engine; verify the config digest and diff_ids",
+            command=("ssh", f"{w.user}@{w.address}", "python3", "-c", "<hostside/chain_node.py>", "|", job.shown()),
+            details={"image": e.image, "from": head.name, "to": w.name, "timeouts": vars(t), "distribution": "chain",
+                     "chain": note, "upstream": hop.upstream, "listen": hop.address, "network": hop.network,
+                     "downstream": nxt}, job=job))
+    return acts, note if acts else "single host: nothing to ship"
 
 
 def _timeouts(options: RunOptions):
@@ -104,7 +130,18 @@ def apply(dep, actions, ctx):
                 raise tr.ShipError(f"the connection to the head failed during the transfer: {e}") from None
         return tr.outcomes_from(done, layer_events)
 
-    fan = tr.Fanout({a.host for a in actions}, transfer)
+    def on_node(name: str, doc: dict) -> None:
+        if doc.get("ev") == "p" and name in logs:
+            fwd = int(doc.get("fwd") or 0)
+            progress.update(name, completed=int(doc.get("recv") or 0),
+                            status=f"receiving, forwarded {_mb(fwd)}" if fwd else "receiving")
+
+    def transfer_chain(sends: dict[str, list[int]]) -> dict[str, tr.WorkerOutcome]:
+        assert head is not None
+        return chained.transfer(cluster, head_host, head, sends, t, on_event, on_node, ctx.say, ctx.cancel)
+
+    chain = cluster.distribution == "chain"
+    fan = tr.Fanout({a.host for a in actions}, transfer_chain if chain else transfer)
 
     def config_reader(s, w):
         """The config digest of an image ID in worker W's engine (its manifest, on a containerd store)."""
@@ -144,9 +181,10 @@ def apply(dep, actions, ctx):
                 log.write(whole)
             log.write(f"lacks {len(send)} of {len(head.diff_ids)} layers: {send}; "
                       f"{len(head.diff_ids) - len(send)} present")
-            log.write(f"the head loads it with the planned command: {jobs[name].shown()}")
+            log.write(("loaded on it by its chain node with" if chain else "the head loads it with")
+                      + f" the planned command: {jobs[name].shown()}")
             progress.add(name, head.estimate(send), "waiting")
-            if not cluster.host_key_checking:
+            if not cluster.host_key_checking and not chain:
                 log.write(f"WARNING: host_key_checking is false: the head accepts any SSH host key from {name}")
             logs[name] = log           # the transfer writes its layer decisions here
             joined = True
@@ -171,9 +209,14 @@ def apply(dep, actions, ctx):
                 raise HostFailure(str(e), rc=e.rc) from None
             secs = time.monotonic() - t0
             data = _data(head, out.layers_sent, out.bytes, secs, out.stream_s, out.unidentified)
+            if out.chain:
+                data.update(distribution="chain", **out.chain)
             progress.update(name, completed=out.bytes, status="[green]verified[/green]", finished=True)
+            how = (f" from {out.chain['upstream']} over the {out.chain['network']}"
+                   + (f" (pass {out.chain['passes']}, after {', '.join(out.chain['cut'])} was cut out of the chain)"
+                      if out.chain.get("cut") else "") if out.chain else "")
             return HostResult(name, "ship", "ok",
-                              f"sent {len(out.layers_sent)} of {len(head.diff_ids)} layers, "
+                              f"sent {len(out.layers_sent)} of {len(head.diff_ids)} layers{how}, "
                               f"{_mb(out.bytes)} in {secs:.1f}s ({data['rate_mb_s']} MB/s), "
                               f"{data['layers_skipped']} present; image {tr.short(wid)} verified"
                               + (" (whole image: a legacy archive to a containerd store)" if whole else ""),
