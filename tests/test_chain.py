@@ -66,6 +66,7 @@ def test_head_sends_each_byte_once_over_the_fabric(cluster, chained):
         assert res[w]["status"] == "ok", res[w]
         assert d["distribution"] == "chain" and d["network"] == "fabric" and d["upstream"] == up, d
         assert d["chain"] == ["node1", "node2", "node3", "node4"] and d["files_sent"] == SHARDS + 2
+        assert d["hashed_after"] == 0      # the node hashed each file as it wrote it: not read again
     assert_exact(cluster, chained["repo"], chained["rev"])
     sent = chained["sent"]
     # the head's fabric port carried the payload once (frames and TCP/IP headers: under 5 %) ...
@@ -93,6 +94,7 @@ def test_chain_rerun_is_a_noop(cluster, chained):
     assert rc == 0, err
     res = by_host(doc)
     assert all(res[w]["status"] == "skipped" for w in ("node2", "node3", "node4")), res
+    assert all(res[w]["data"]["hashed_bytes"] == 0 for w in ("node2", "node3", "node4")), res   # all cached
 
 
 def _chain_pids(host) -> list[int]:

@@ -198,7 +198,11 @@ class Node:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         os.replace(st["part"], dst)
         self.done_files.append(rel)
-        self.out.emit(ev="file", path=rel, bytes=st["n"])
+        s = os.stat(dst)
+        # modelsync's hash-cache entry (hostside/modelsync.py HashCache): the verify after the copy
+        # trusts this sha256 while the file keeps this stat, instead of reading the file again
+        entry = [s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, sha, s.st_nlink]
+        self.out.emit(ev="file", path=rel, bytes=st["n"], cache=entry)
 
     # -- roles --------------------------------------------------------------------------------------
     def relay(self, up: socket.socket) -> None:

@@ -56,6 +56,7 @@ class Delivery:
     passes: int = 1
     order: list[str] = field(default_factory=list)
     cut: list[str] = field(default_factory=list)      # dead nodes this host's chain went around
+    seen: dict = field(default_factory=dict)          # rel -> hash-cache entry, from the node's own sha256
 
 
 def timeouts(st: Settings, nbytes: int) -> Timeouts:
@@ -73,6 +74,7 @@ def distribute(dep: "Deployment", m: Manifest, wants: dict[str, Wanted], st: Set
     complete = {c.head}                      # nodes that hold the whole checkpoint (sources for a repair)
     chain_order = [c.head] + [h.name for h in c.hosts if h.name != c.head]
     source = c.head
+    seen: dict[str, dict] = {h: {} for h in wants}
     for n in range(1, MAX_PASSES + 1):
         targets = [h for h in need if need[h]]
         if not targets:
@@ -93,6 +95,7 @@ def distribute(dep: "Deployment", m: Manifest, wants: dict[str, Wanted], st: Set
                 prog[host].update(int(doc.get("recv") or 0),
                                   f"forwarded {gb(int(doc.get('fwd') or 0))}" if doc.get("fwd") else "")
             elif host in wants and doc.get("ev") == "file":
+                seen[host][doc["path"]] = doc.get("cache")
                 wants[host].log.write(f"received {doc['path']} ({doc['bytes']} bytes), sha256 matches the manifest")
 
         specs = {h.host: {"mode": "files", "root": dep.checkpoint_dir(c.host(h.host)), "need": need.get(h.host, []),
@@ -135,6 +138,7 @@ def distribute(dep: "Deployment", m: Manifest, wants: dict[str, Wanted], st: Set
         cut = ", ".join(f"{h} ({why})" for h, why in dead.items()) or "none"
         ctx.say(f"  sync-model: {', '.join(left)} not complete; cut out: {cut}; pass {n + 1} from {source}")
     for h, d in results.items():
+        d.seen = {k: v for k, v in seen.get(h, {}).items() if v}
         if h not in dead:
             d.cut = sorted(dead)
             if not d.ok and dead:
@@ -195,7 +199,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
             if not d.ok:
                 raise HostFailure(f"{d.message}; re-run to finish (completed files are kept)", rc=d.rc,
                                   tail=d.tail[-10:])
-            after = verify(dep, w, job.after, m, st, log)
+            after = verify(dep, w, job.after, m, st, log, seen=d.seen)
             if not after.complete:
                 raise HostFailure(f"after the chain {w.name} still differs from the head: {after.problems()} "
                                   f"(did the head's files change during the sync? re-run)")
@@ -208,6 +212,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
                                           bytes_sent=need, bytes_received=d.recv, bytes_forwarded=d.fwd,
                                           upstream=d.upstream, network=d.network, chain=d.order, passes=d.passes, cut=d.cut,
                                           distribution="chain", copy_s=round(copy_s, 3),
+                                          hashed_after=after.hashed_bytes,
                                           duration_s=round(time.monotonic() - t0, 3)))
         finally:
             if not joined:

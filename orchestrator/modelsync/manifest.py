@@ -44,9 +44,10 @@ class Manifest:
     def size_of(self, rel: str) -> int:
         return next(s for p, s, _ in self.files if p == rel)
 
-    def to_stdin(self) -> bytes:
-        """What `hostside.py verify` reads."""
-        return json.dumps({"files": self.files}, separators=(",", ":")).encode()
+    def to_stdin(self, seen: dict | None = None) -> bytes:
+        """What `hostside.py verify` reads. SEEN: hash-cache entries for files a chain node hashed as it
+        wrote them (modelsync/chained.py), so the verify after the copy does not read them again."""
+        return json.dumps({"files": self.files, **({"seen": seen} if seen else {})}, separators=(",", ":")).encode()
 
     def describe(self) -> str:
         return f"{len(self.files)} files, {gb(self.total_bytes)}"
