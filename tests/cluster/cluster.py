@@ -1110,6 +1110,21 @@ class TestCluster:
             if not _htb_classes(h.netns, dev):
                 _run(["tc", "-n", h.netns, "qdisc", "del", "dev", dev, "root"], check=False)
 
+    def shape_egress(self, host: "str | TestHost", mbit: float, iface: str | None = None) -> None:
+        """Shape everything HOST sends on IFACE (default its fabric interface; "eth0": the management
+        network) to MBIT Mbit/s: a tbf root qdisc on the namespace end (replaces throttle_link's htb
+        there). A port of rate R for benchmarks that compare a transfer with payload / R."""
+        h = self.host(host)
+        if not mbit > 0:
+            raise ClusterError(f"shape_egress: rate must be > 0 Mbit/s, got {mbit!r}")
+        dev = iface or h.fabric_iface
+        burst = max(int(mbit * 1e6 / 8 * 0.005), 4 * (FABRIC_MTU + 100))   # 5 ms at the rate, a few jumbo frames
+        _batch("tc", [f"qdisc replace dev {dev} root tbf rate {mbit}mbit burst {burst} latency 200ms"], netns=h.netns)
+
+    def unshape_egress(self, host: "str | TestHost", iface: str | None = None) -> None:
+        h = self.host(host)
+        _run(["tc", "-n", h.netns, "qdisc", "del", "dev", iface or h.fabric_iface, "root"], check=False)
+
     def throttled(self, host: "str | TestHost") -> dict[str, float]:
         """HOST's throttled fabric peers now: {peer name: Mbit/s} (from its fab0's htb classes)."""
         h = self.host(host)
