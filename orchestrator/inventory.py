@@ -71,9 +71,10 @@ CLUSTER_KEYS = {
     "fabric_topology": "how the hosts' fabric ports are cabled: switch (default), direct (two hosts, one "
                        "cable) or mesh (every linked pair its own cable and subnet; a ring is a mesh with "
                        "fewer links; needs fabric_links)",
-    "distribution": "how the checkpoint reaches the workers: direct (default: the head sends it to each worker, "
-                    "rsync over SSH) or chain (the head sends each byte once: every node forwards to the next "
-                    "while it receives, over the fabric addresses; docs/distribution.md)",
+    "distribution": "how image and checkpoint reach the workers: chain (the default where every host has a "
+                    "fabric address, or on a mesh its cables: the head sends each byte once, every node forwards "
+                    "to the next while it receives, over the fabric; docs/distribution.md) or direct (the default "
+                    "otherwise: the head sends to each worker over SSH)",
     "hf_token_file": "file on the controller holding a Hub token for gated or private repos (relative: to "
                      "this inventory); default: the HF_TOKEN environment variable, if set",
 }
@@ -144,7 +145,7 @@ class Cluster:
     metrics_allow: tuple[str, ...] = ()  # who else may reach the head's supervisor port (Prometheus)
     firewall: str = "rules"              # rules | none (orchestrator/launch/firewall.py)
     supervise: bool = True               # orchestrator/launch/supervision.py
-    distribution: str = "direct"         # direct | chain (orchestrator/chain/)
+    distribution: str = "direct"         # direct | chain (orchestrator/chain/); load_inventory picks the default
 
     @property
     def head_host(self) -> Host:
@@ -295,12 +296,12 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     if token_file is not None:
         tf = Path(_expand(str(token_file)) or "")
         token_file = str(tf if tf.is_absolute() else p.parent / tf)
-    distribution = cvars.get("distribution", "direct")
-    if distribution not in DISTRIBUTIONS:
-        raise err(f"expected one of {', '.join(DISTRIBUTIONS)}, got {distribution!r}", "all.vars.distribution")
     topology = cvars.get("fabric_topology", "switch")
     if topology not in TOPOLOGIES:
         raise err(f"expected one of {', '.join(TOPOLOGIES)}, got {topology!r}", "all.vars.fabric_topology")
+    distribution = cvars.get("distribution", _default_distribution(hosts, topology))
+    if distribution not in DISTRIBUTIONS:
+        raise err(f"expected one of {', '.join(DISTRIBUTIONS)}, got {distribution!r}", "all.vars.distribution")
     _check_links(hosts, topology, err)
     return Cluster(
         name=deployment,
@@ -326,6 +327,15 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         supervise=supervise,
         distribution=distribution,
     )
+
+
+def _default_distribution(hosts: list, topology: str) -> str:
+    """chain where the inventory declares the fabric (every host's fabric_address, or on a mesh its
+    cables): image and checkpoint then travel over it, each byte out of the head once; else direct."""
+    if len(hosts) < 2:
+        return "direct"
+    declared = all(h.fabric_links for h in hosts) if topology == "mesh" else all(h.fabric_address for h in hosts)
+    return "chain" if declared else "direct"
 
 
 def _sources(cvars: dict, key: str, err) -> tuple[str, ...] | None:

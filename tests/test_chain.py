@@ -23,8 +23,11 @@ pytestmark = pytest.mark.cluster
 
 
 def chain_inventory(cluster, path: Path) -> Path:
+    """The cluster's own inventory: every host has a fabric address, so chain is its default."""
+    from orchestrator.inventory import load_inventory
+    assert load_inventory(cluster.inventory_path).distribution == "chain"
     doc = yaml.safe_load(cluster.inventory_path.read_text())
-    doc["all"]["vars"]["distribution"] = "chain"
+    assert "distribution" not in doc["all"]["vars"]
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 

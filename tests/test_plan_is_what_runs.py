@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import yaml
 
 from orchestrator.deployment import load_deployment
 from orchestrator.errors import DeployctlError
@@ -24,8 +25,16 @@ JOBS = {"ship": ShipJob, "sync-model": SyncJob, "launch": ContainerSpec, "stage-
         "write-ple": TableJob}
 
 
-def spark4():
-    return load_deployment(INVENTORIES_DIR / "spark4.yml")
+def spark4(tmp_path=None, **cvars):
+    """inventories/spark4.yml (its fabric addresses make distribution: chain its default), or a copy
+    with CVARS set in all.vars (in TMP_PATH)."""
+    if not cvars:
+        return load_deployment(INVENTORIES_DIR / "spark4.yml")
+    doc = yaml.safe_load((INVENTORIES_DIR / "spark4.yml").read_text())
+    doc["all"]["vars"].update(cvars)
+    p = tmp_path / "spark4.yml"
+    p.write_text(yaml.safe_dump(doc))
+    return load_deployment(p)
 
 
 def test_every_executing_action_carries_its_job():
@@ -38,11 +47,11 @@ def test_every_executing_action_carries_its_job():
                 assert TableJob.of(a).argv == a.command
 
 
-def test_command_options_reach_the_plan():
+def test_command_options_reach_the_plan(tmp_path):
     opts = RunOptions(sync_model=SyncModelOptions(io_timeout=45, bwlimit_mbps=10, rehash=True,
                                                   head_key="/etc/deployctl/head_key"),
                       ship_stall_s=33, ship_head_known_hosts="/etc/deployctl/known_hosts")
-    plan = build_plan(spark4(), only=("ship", "sync-model"), options=opts)
+    plan = build_plan(spark4(tmp_path, distribution="direct"), only=("ship", "sync-model"), options=opts)
     manifest, *rsyncs = plan.stage("sync-model").actions
     assert manifest.job.check.args.count("--require") == 2 and "/etc/deployctl/head_key" in manifest.job.check.args
     assert "--rehash" in manifest.job.check.args
@@ -55,6 +64,16 @@ def test_command_options_reach_the_plan():
     for a in plan.stage("ship").actions:
         assert a.job.timeouts.stall_s == 33 and "/etc/deployctl/known_hosts" in a.job.need_files
         assert a.command[-1].endswith(a.job.shown()) and "<hostside/ship_relay.py> 33 docker" in a.job.shown()
+    # the chain (spark4's default): no head key anywhere, the same timeouts and hash options
+    plan = build_plan(spark4(), only=("ship", "sync-model"), options=opts)
+    manifest, *chain = plan.stage("sync-model").actions
+    assert "--require" not in manifest.job.check.args and "--rehash" in manifest.job.check.args
+    for a in chain:
+        assert a.op == "chain" and a.job.transfer is None and a.details["network"] == "fabric"
+        assert "--rehash" in a.job.check.args and "--clean" in a.job.after.args
+    for a in plan.stage("ship").actions:
+        assert a.job.chain and a.job.timeouts.stall_s == 33 and a.job.need_files == ()
+        assert a.command[-1] == a.job.shown() and "<hostside/ship_relay.py> 33 docker" in a.job.shown()
 
 
 def test_sync_model_apply_runs_only_planned_jobs(tmp_path):

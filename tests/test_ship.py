@@ -46,7 +46,8 @@ def build(cluster, tmp: Path, tag: str, dockerfile: str, files: dict[str, bytes]
 
 def ship(cluster, image: str, *extra: str, timeout: float = 180) -> tuple[int, dict, str, float]:
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "orchestrator", "ship", "-i", str(cluster.inventory_path),
+    # distribution: direct, this module's subject (the chain: tests/test_chain.py)
+    p = subprocess.run([sys.executable, "-m", "orchestrator", "ship", "-i", str(cluster.inventory_with(distribution="direct")),
                         "--image", image, "--json", *extra], capture_output=True, text=True, timeout=timeout,
                        cwd=REPO)
     doc = json.loads(p.stdout) if p.stdout.strip() else {}

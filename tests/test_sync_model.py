@@ -55,7 +55,8 @@ def sync(cluster, cwd: Path, repo: str, rev: str, *extra: str, inventory: Path |
 
 
 def cli_argv(cluster, repo: str, rev: str, *extra: str, inventory: Path | None = None) -> list[str]:
-    inv = str(inventory or cluster.inventory_path)
+    # distribution: direct, this module's subject (the chain: tests/test_chain.py)
+    inv = str(inventory or cluster.inventory_with(distribution="direct"))
     return [sys.executable, "-m", "orchestrator", "sync-model", "-i", inv,
             "--set", f"model.repo={repo}", "--set", f"model.revision={rev}", "--json", *extra]
 
@@ -252,7 +253,7 @@ def shared_mount(cluster):
 
 
 def inventory_with(cluster, tmp_path: Path, model_cache: dict[str, Path]) -> Path:
-    inv = yaml.safe_load(cluster.inventory_path.read_text())
+    inv = yaml.safe_load(cluster.inventory_with(distribution="direct").read_text())
     for name, path in model_cache.items():
         inv["all"]["hosts"][name]["model_cache"] = str(path)
     out = tmp_path / "inventory.yml"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from orchestrator.deployment import load_deployment
 from orchestrator.modelsync import rsync
@@ -209,8 +210,18 @@ def test_shared_verdicts():
     assert "incomplete" in problems("node2", _verdict(missing=("a",)), "N", "")[0]
 
 
-def test_plan_head_and_shared_and_single_host():
+def test_plan_head_and_shared_and_single_host(tmp_path):
     dep = load_deployment(INVENTORIES_DIR / "spark4.yml", None, ("model.revision=" + "a" * 40,))
+    sp = build_plan(dep, only=("sync-model",)).stage("sync-model")
+    # spark4 gives every host a fabric address: the chain is its default, every hop over the fabric
+    assert [(a.host, a.op) for a in sp.actions] == [(dep.cluster.head, "manifest")] + [
+        (h.name, "chain") for h in dep.cluster.workers]
+    assert "every hop over the fabric" in sp.note and sp.actions[2].details["upstream"] == sp.actions[1].host
+    assert sp.actions[1].details["listen"] == dep.cluster.workers[0].fabric_address.split("/")[0]
+    doc = yaml.safe_load((INVENTORIES_DIR / "spark4.yml").read_text())
+    doc["all"]["vars"]["distribution"] = "direct"
+    (tmp_path / "spark4.yml").write_text(yaml.safe_dump(doc))
+    dep = load_deployment(tmp_path / "spark4.yml", None, ("model.revision=" + "a" * 40,))
     sp = build_plan(dep, only=("sync-model",)).stage("sync-model")
     assert [(a.host, a.op) for a in sp.actions] == [(dep.cluster.head, "manifest")] + [
         (h.name, "rsync") for h in dep.cluster.workers]

@@ -62,7 +62,10 @@ def _chain_plan(dep, t: Timeouts):
             f"receive the layers of {e.image} that the workers lack, from {hop.upstream} over the {hop.network} at "
             f"{hop.address}" + (f", forwarding every byte to {nxt} as it arrives" if nxt else " (the chain's tail)")
             + f"; load those {w.name} lacks into its engine; verify the config digest and diff_ids",
-            command=("ssh", f"{w.user}@{w.address}", "python3", "-c", "<hostside/chain_node.py>", "|", job.shown()),
+            command=("ssh", f"{head.user}@{head.address}",
+                     f"{docker_sh(head, 'save', e.image)} | <deployctl ship agent: the layers any worker lacks> "
+                     f"| <chain source>", "->", f"<chain {' -> '.join(h.host for h in hops)}>", "->",
+                     "ssh", f"{w.user}@{w.address}", "<hostside/chain_node.py>", "|", job.shown()),
             details={"image": e.image, "from": head.name, "to": w.name, "timeouts": vars(t), "distribution": "chain",
                      "chain": note, "upstream": hop.upstream, "listen": hop.address, "network": hop.network,
                      "downstream": nxt}, job=job))

@@ -756,6 +756,15 @@ class TestCluster:
     def inventory_path(self) -> Path:
         return self.state_dir / "inventory.yml"
 
+    def inventory_with(self, **cvars: Any) -> Path:
+        """The cluster's inventory with these all.vars set (e.g. distribution="direct"), written next
+        to it as inventory-<key>-<value>....yml."""
+        doc = yaml.safe_load(self.inventory_path.read_text())
+        doc["all"]["vars"].update(cvars)
+        out = self.state_dir / ("inventory-" + "-".join(f"{k}-{v}" for k, v in sorted(cvars.items())) + ".yml")
+        out.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return out
+
     @property
     def known_hosts(self) -> Path:
         return self.state_dir / "known_hosts"
