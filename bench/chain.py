@@ -1,6 +1,6 @@
 """Chain distribution against the link's rate: checkpoint and image to 1, 3 and 7 workers.
 
-    python3 bench/chain.py [--sizes 2,4,8] [--rate-mbit 400] [--mgmt-mbit 40] [--checkpoint-mb 600]
+    python3 bench/chain.py [--sizes 2,4,8] [--rate-mbit 200] [--mgmt-mbit 20] [--checkpoint-mb 600]
                            [--image-mb 300] [--no-unshaped] [--direct] [--keep] [--reuse]
 
 One 8-host test cluster (`benchchain`); per size N an inventory of its first N hosts with
@@ -125,8 +125,8 @@ def row(r: dict, rate_bps: float | None) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="2,4,8")
-    ap.add_argument("--rate-mbit", type=float, default=400.0)
-    ap.add_argument("--mgmt-mbit", type=float, default=40.0)
+    ap.add_argument("--rate-mbit", type=float, default=200.0)
+    ap.add_argument("--mgmt-mbit", type=float, default=20.0)
     ap.add_argument("--checkpoint-mb", type=int, default=600)
     ap.add_argument("--image-mb", type=int, default=300)
     ap.add_argument("--no-unshaped", action="store_true")

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.cluster.cluster import _pids_in_netns
-from tests.test_sync_model import SHARDS, SHARD_BYTES, assert_exact, by_host, cli_argv, sync, worker_snap, write_checkpoint
+from tests.test_sync_model import SHARDS, assert_exact, by_host, cli_argv, sync, worker_snap, write_checkpoint
 
 pytestmark = pytest.mark.cluster
 
@@ -112,32 +112,40 @@ def _chain_pids(host) -> list[int]:
     return out
 
 
+def _kill_mid_chain(cluster, argv: list[str], cwd: Path, host: str, ready, what: str) -> tuple[int, str, str]:
+    """Run ARGV with the fabric link node1-node2 slowed; once READY() holds, SIGKILL HOST's chain node.
+    The command's (exit code, stdout, stderr)."""
+    cluster.throttle_link("node1", "node2", 160)           # ~5-8 s for the payload: time to kill mid-way
+    p = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not ready():
+            assert p.poll() is None and time.monotonic() < deadline, f"{host} never {what}"
+            time.sleep(0.05)
+        pids = _chain_pids(cluster.host(host))
+        assert pids, f"no chain node on {host}"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        out, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        cluster.unthrottle_link("node1", "node2")
+    return p.returncode, out, err
+
+
 def test_node_killed_mid_chain_is_named_and_the_rest_complete(cluster, chained):
     repo, rev = chained["repo"], chained["rev"]
     for h in cluster.hosts[1:]:
         subprocess.run(["rm", "-rf", str(worker_snap(h, repo, rev))], check=True)
     node3 = cluster.hosts[2]
-    cluster.throttle_link("node1", "node2", 120)          # ~8 s for the 120 MB: time to kill node3 mid-way
-    argv = cli_argv(cluster, repo, rev, "--io-timeout", "10", inventory=chained["inv"])
-    p = subprocess.Popen(argv, cwd=chained["cwd"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        first = worker_snap(node3, repo, rev) / "model-00001-of-00003.safetensors"
-        partial = worker_snap(node3, repo, rev) / ".deployctl-chain-partial"
-        deadline = time.monotonic() + 90
-        while not (first.exists() and any(f.stat().st_size > 2_000_000 for f in partial.rglob("*.safetensors")
-                                          if f.is_file())):
-            assert p.poll() is None and time.monotonic() < deadline, "node3 never received its second shard"
-            time.sleep(0.05)
-        pids = _chain_pids(node3)
-        assert pids, "no chain node on node3"
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        cluster.unthrottle_link("node1", "node2")
-    assert p.returncode == 1, err
+    first = worker_snap(node3, repo, rev) / "model-00001-of-00003.safetensors"
+    partial = worker_snap(node3, repo, rev) / ".deployctl-chain-partial"
+    rc, out, err = _kill_mid_chain(
+        cluster, cli_argv(cluster, repo, rev, "--io-timeout", "10", inventory=chained["inv"]), chained["cwd"],
+        "node3", lambda: first.exists() and any(f.stat().st_size > 2_000_000 for f in partial.rglob("*.safetensors")
+                                                if f.is_file()), "received its second shard")
+    assert rc == 1, err
     res = by_host(json.loads(out))
     assert res["node3"]["status"] == "failed" and "ended without a result" in res["node3"]["message"], res["node3"]
     assert res["node2"]["status"] == "ok", res["node2"]
@@ -214,25 +222,10 @@ def test_image_chain_node_killed_is_named_and_the_rest_load_it(cluster, chained)
         _docker(cluster, h, "image", "rm", "-f", IMAGE)
     want = _config(cluster, "node1")
     assert want, "the image test before builds it"
-    cluster.throttle_link("node1", "node2", 200)          # ~4 s for the 100 MB
     argv = [sys.executable, "-m", "orchestrator", "ship", "-i", str(chained["inv"]), "--image", IMAGE, "--json"]
-    p = subprocess.Popen(argv, cwd=chained["cwd"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if _received(cluster.host("node3")) > 30_000_000:
-                pids = _chain_pids(cluster.host("node3"))
-                break
-            assert p.poll() is None and time.monotonic() < deadline, "node3 never received 30 MB"
-            time.sleep(0.05)
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        out, err = p.communicate(timeout=180)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        cluster.unthrottle_link("node1", "node2")
-    assert p.returncode == 1, err
+    rc, out, err = _kill_mid_chain(cluster, argv, chained["cwd"], "node3",
+                                   lambda: _received(cluster.host("node3")) > 30_000_000, "received 30 MB")
+    assert rc == 1, err
     res = {r["host"]: r for s in json.loads(out)["stages"] for r in s["results"]}
     assert res["node3"]["status"] == "failed" and "ended without a result" in res["node3"]["message"], res["node3"]
     assert res["node2"]["status"] == "ok" and _config(cluster, "node2") == want

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import secrets
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable

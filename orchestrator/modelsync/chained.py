@@ -24,7 +24,8 @@ from ..chain.run import NodeOutcome, Timeouts, run_pass, slowest
 from ..outcomes import HostFailure, HostResult
 from .manifest import Manifest, gb
 from .progress import Progress
-from .push import STAGE_NAME, extras_note, head_first, head_manifest, hub_mismatch, job_of, report, verify
+from .push import (STAGE_NAME, extras_note, head_first, head_manifest, head_result, hub_mismatch, job_of, report,
+                   verify)
 from .settings import MARGIN_BYTES, MIN_RATE, Settings
 
 if TYPE_CHECKING:
@@ -157,14 +158,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
         m, doc = head_manifest(dep, job_of(action).check, st, log)
         hub_mismatch(dep, m)
         got["m"] = m
-        cached = m.hashed_bytes == 0
-        msg = (f"manifest of {m.describe()} (digest {m.digest}), "
-               + ("all hashes from cache" if cached else f"hashed {gb(m.hashed_bytes)} in {m.seconds:.1f}s"))
-        return HostResult(head.name, STAGE_NAME, "skipped" if cached else "ok", msg,
-                          data={"files_total": len(m.files), "bytes_total": m.total_bytes,
-                                "manifest_digest": m.digest, "hashed_bytes": m.hashed_bytes,
-                                "checkpoint_dir": m.root, "duration_s": m.seconds, "distribution": "chain",
-                                **({"skipped_reason": "manifest unchanged (hash cache)"} if cached else {})})
+        return head_result(head.name, m, distribution="chain")
 
     def run(wants: dict) -> dict[str, Delivery]:
         return distribute(dep, got["m"], wants, st, ctx, ctx.cancel)

@@ -140,6 +140,18 @@ def push_one(dep: "Deployment", action: "Action", m: Manifest, st: Settings, ctx
                                   copy_s=round(copy_s, 3), duration_s=round(dur, 3)))
 
 
+def head_result(head: str, m: Manifest, **more) -> HostResult:
+    """The head's result: its manifest, hashed now or all from the hash cache (then skipped)."""
+    cached = m.hashed_bytes == 0
+    msg = (f"manifest of {m.describe()} (digest {m.digest}), "
+           + ("all hashes from cache" if cached else f"hashed {gb(m.hashed_bytes)} in {m.seconds:.1f}s"))
+    return HostResult(head, STAGE_NAME, "skipped" if cached else "ok", msg,
+                      data={"files_total": len(m.files), "bytes_total": m.total_bytes,
+                            "manifest_digest": m.digest, "hashed_bytes": m.hashed_bytes,
+                            "checkpoint_dir": m.root, "duration_s": m.seconds, **more,
+                            **({"skipped_reason": "manifest unchanged (hash cache)"} if cached else {})})
+
+
 def head_first(dep: "Deployment", actions: "list[Action]", ctx: "RunContext", head_fn, worker_fn,
                undone: str) -> list[HostResult]:
     """The head's action, then the workers' in parallel; if the head failed, every worker gets a
@@ -169,14 +181,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
                 f"their host keys; pass --head-key/--head-known-hosts (paths on the head)")
         hub_mismatch(dep, m)
         got["m"] = m
-        cached = m.hashed_bytes == 0
-        msg = (f"manifest of {m.describe()} (digest {m.digest}), "
-               + ("all hashes from cache" if cached else f"hashed {gb(m.hashed_bytes)} in {m.seconds:.1f}s"))
-        return HostResult(head.name, STAGE_NAME, "skipped" if cached else "ok", msg,
-                          data={"files_total": len(m.files), "bytes_total": m.total_bytes,
-                                "manifest_digest": m.digest, "hashed_bytes": m.hashed_bytes,
-                                "checkpoint_dir": m.root, "duration_s": m.seconds,
-                                **({"skipped_reason": "manifest unchanged (hash cache)"} if cached else {})})
+        return head_result(head.name, m)
 
     return head_first(dep, actions, ctx, head_fn, lambda a, log: push_one(dep, a, got["m"], st, ctx, log),
                       "not synced")

@@ -453,54 +453,15 @@ class WorkerOutcome:
 
 
 # --------------------------------------------------------------------------------------------------
-# One transfer for all workers
+# One transfer for all workers (the workers' threads meet in orchestrator/chain/gather.py)
 
-class Fanout:
-    """Gathers the workers that need bytes, runs one agent for all of them, hands out the results.
-
-    Each worker's thread calls `join` (what it needs) or `leave` (skipped or failed before); the
-    transfer starts when every expected worker has done one of them.
-    """
-
-    def __init__(self, expected: set[str], run: Callable[[dict[str, list[int]]], dict[str, WorkerOutcome]]):
-        self._expected = set(expected)
-        self._run = run
-        self._sends: dict[str, list[int]] = {}
-        self._results: dict[str, WorkerOutcome] = {}
-        self._cond = threading.Condition()
-        self._started = False
-        self._finished = False
-
-    def leave(self, name: str) -> None:
-        with self._cond:
-            self._expected.discard(name)
-            self._maybe_start()
-
-    def join(self, name: str, send: list[int], timeout: float) -> WorkerOutcome:
-        with self._cond:
-            self._sends[name] = send
-            self._maybe_start()
-            if not self._cond.wait_for(lambda: self._finished, timeout=timeout):
-                return WorkerOutcome(False, message="the transfer did not finish in time")
-            return self._results.get(name) or WorkerOutcome(False, message="no result for this worker")
-
-    def _maybe_start(self) -> None:
-        if self._started or not self._expected.issubset(self._sends):
-            return
-        self._started = True
-        threading.Thread(target=self._go, args=(dict(self._sends),), daemon=True).start()
-
-    def _go(self, sends: dict[str, list[int]]) -> None:
-        try:
-            results = self._run(sends) if sends else {}
-        except ShipError as e:
-            results = {n: WorkerOutcome(False, message=str(e), tail=e.tail, rc=e.rc) for n in sends}
-        except Exception as e:  # a bug: still a value per worker
-            results = {n: WorkerOutcome(False, message=f"{type(e).__name__}: {e}") for n in sends}
-        with self._cond:
-            self._results = results
-            self._finished = True
-            self._cond.notify_all()
+def failed_outcome(name: str, e: Exception) -> WorkerOutcome:
+    """A transfer that failed as a whole (or never finished), as WORKER's outcome."""
+    if isinstance(e, ShipError):
+        return WorkerOutcome(False, message=str(e), tail=e.tail, rc=e.rc)
+    if isinstance(e, (TimeoutError, RuntimeError)):
+        return WorkerOutcome(False, message=str(e))
+    return WorkerOutcome(False, message=f"{type(e).__name__}: {e}")
 
 
 def outcomes_from(done: dict[str, Any], layer_events: list[dict]) -> dict[str, WorkerOutcome]:

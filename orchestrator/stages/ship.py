@@ -19,6 +19,7 @@ from ..outcomes import HostFailure, HostResult, run_per_host
 from ..plan import Action
 from ..runoptions import RunOptions
 from ..chain import route
+from ..chain.gather import Gather
 from ..ship import chained
 from ..ship import transfer as tr
 from ..ship.progress import ShipProgress
@@ -144,7 +145,7 @@ def apply(dep, actions, ctx):
         return chained.transfer(cluster, head_host, head, sends, t, on_event, on_node, ctx.say, ctx.cancel)
 
     chain = cluster.distribution == "chain"
-    fan = tr.Fanout({a.host for a in actions}, transfer_chain if chain else transfer)
+    fan = Gather({a.host for a in actions}, transfer_chain if chain else transfer, tr.failed_outcome)
 
     def config_reader(s, w):
         """The config digest of an image ID in worker W's engine (its manifest, on a containerd store)."""
