@@ -339,7 +339,8 @@ class ShipJob:
         which ssh passes on as is), with the relay program (sent inline) named, not printed."""
         relay = (HOSTSIDE / "ship_relay.py").read_text()
         if self.chain:
-            return "<chain node> | " + shlex.join(self.load_argv).replace(shlex.quote(relay), "<hostside/ship_relay.py>")
+            return ("<hostside/chain_node.py> | "
+                    + shlex.join(self.load_argv).replace(shlex.quote(relay), "<hostside/ship_relay.py>"))
         relay = shlex.quote(relay)
         *ssh, remote = self.load_argv
         return f"{shlex.join(ssh)} {remote.replace(relay, '<hostside/ship_relay.py>')}"

@@ -66,7 +66,7 @@ def _chain_plan(dep, t: Timeouts):
             command=("ssh", f"{head.user}@{head.address}",
                      f"{docker_sh(head, 'save', e.image)} | <deployctl ship agent: the layers any worker lacks> "
                      f"| <chain source>", "->", f"<chain {' -> '.join(h.host for h in hops)}>", "->",
-                     "ssh", f"{w.user}@{w.address}", "<hostside/chain_node.py>", "|", job.shown()),
+                     "ssh", f"{w.user}@{w.address}", job.shown()),
             details={"image": e.image, "from": head.name, "to": w.name, "timeouts": vars(t), "distribution": "chain",
                      "chain": note, "upstream": hop.upstream, "listen": hop.address, "network": hop.network,
                      "downstream": nxt}, job=job))
