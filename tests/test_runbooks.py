@@ -29,7 +29,7 @@ RUNBOOKS = REPO / "docs" / "runbooks"
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 EXPECTED = {"bring-up-4-node.md", "restart-after-node-reboot.md", "replace-a-node.md",
             "roll-back-image.md", "restage-after-checkpoint-update.md", "debug-hung-nccl-start.md",
-            "model-went-down-at-night.md"}
+            "model-went-down-at-night.md", "distribution-node-failed.md"}
 
 
 def commands(text: str) -> list[str]:
