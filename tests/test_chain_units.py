@@ -161,3 +161,26 @@ def test_a_path_out_of_the_folder_is_refused(tmp_path):
         rc, done, _ = _done(n)
     assert rc == 1 and "outside the checkpoint folder" in done["up_lost"]
     assert not (tmp_path / "evil").exists()
+
+
+def test_the_source_paces_the_chain_at_the_bwlimit(tmp_path):
+    """sync-model --bwlimit through a chain: the source sends at that rate, so every hop does."""
+    import time
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(4_000_000)
+    (src / "w.bin").write_bytes(data)
+    secret = os.urandom(32).hex()
+    n = _start(_spec("relay", tmp_path / "r", secret, need=["w.bin"]))
+    port = _first(n)["port"]
+    _wire(n, None)
+    source = _start(_spec("source", src, secret, files=[["w.bin", len(data), hashlib.sha256(data).hexdigest()]],
+                          rate_bps=8e6))
+    _first(source)
+    t0 = time.monotonic()
+    _wire(source, ["127.0.0.1", port])
+    rc_s, done_s, _ = _done(source)
+    secs = time.monotonic() - t0
+    rc, done, _ = _done(n)
+    assert rc_s == 0 and rc == 0 and (tmp_path / "r" / "w.bin").read_bytes() == data
+    assert 0.45 <= secs < 5, secs                      # 4 MB at 8 MB/s: half a second, not a burst

@@ -15,7 +15,8 @@ from .pipeline import run_stages
 @click.option("--timeout", "total_timeout", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
               help="Whole transfer per worker (default 300 s + the bytes at 20 MB/s).")
 @click.option("--bwlimit", type=click.FloatRange(min=0.1), default=None, metavar="MB/S",
-              help="Bandwidth per worker, to leave room for other traffic on the link.")
+              help="Bandwidth per worker (through a chain: of every hop, paced at its source), to leave room "
+                   "for other traffic on the link.")
 @click.option("--rehash", is_flag=True,
               help="Ignore the hash caches and re-read every file (bit rot that kept size and mtime).")
 @click.option("--head-key", default=None, metavar="PATH",

@@ -284,6 +284,8 @@ class Node:
         self.finished = self.sink_rc == 0
 
     def source(self) -> None:
+        rate = float(self.spec.get("rate_bps") or 0)     # sync-model --bwlimit: every hop runs at the source's pace
+        t0 = time.monotonic()
         for rel, size, sha in self.spec["files"]:
             self.current = rel
             head = json.dumps({"path": rel, "size": size, "sha256": sha}).encode()
@@ -295,6 +297,10 @@ class Node:
                         break
                     self.recv += len(data)
                     self.send_frame(b"D", data)
+                    if rate:
+                        ahead = self.recv / rate - (time.monotonic() - t0)
+                        if ahead > 0:
+                            time.sleep(ahead)
             self.send_frame(b"E", b"")
             if self.down is None:
                 return

@@ -100,7 +100,8 @@ def distribute(dep: "Deployment", m: Manifest, wants: dict[str, Wanted], st: Set
                 wants[host].log.write(f"received {doc['path']} ({doc['bytes']} bytes), sha256 matches the manifest")
 
         specs = {h.host: {"mode": "files", "root": dep.checkpoint_dir(c.host(h.host)), "need": need.get(h.host, []),
-                          **({"files": files} if h.host == source else {})} for h in hops}
+                          **({"files": files, "rate_bps": (st.bwlimit_mbps or 0) * 1e6} if h.host == source else {})}
+                 for h in hops}
         outs = run_pass(c, hops, specs, timeouts(st, nbytes), on_event, cancel)
         src = outs[source]
         low = slowest(outs, hops)
