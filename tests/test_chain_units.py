@@ -184,3 +184,29 @@ def test_the_source_paces_the_chain_at_the_bwlimit(tmp_path):
     rc, done, _ = _done(n)
     assert rc_s == 0 and rc == 0 and (tmp_path / "r" / "w.bin").read_bytes() == data
     assert 0.45 <= secs < 5, secs                      # 4 MB at 8 MB/s: half a second, not a burst
+
+
+def test_a_node_that_cannot_write_still_forwards(tmp_path):
+    """A node whose folder cannot be written (here: a file where its folder should be; a full disk
+    fails the same way) fails itself, named, and the node after it still gets every file."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(2_500_000)
+    (src / "w.bin").write_bytes(data)
+    files = [["w.bin", len(data), hashlib.sha256(data).hexdigest()]]
+    (tmp_path / "blocked").write_text("not a folder")
+    secret = os.urandom(32).hex()
+    n1 = _start(_spec("relay", tmp_path / "blocked", secret, need=["w.bin"]))
+    n2 = _start(_spec("relay", tmp_path / "r2", secret, need=["w.bin"]))
+    p1, p2 = _first(n1)["port"], _first(n2)["port"]
+    _wire(n2, None)
+    _wire(n1, ["127.0.0.1", p2])
+    source = _start(_spec("source", src, secret, files=files))
+    _first(source)
+    _wire(source, ["127.0.0.1", p1])
+    rc_s, _, _ = _done(source)
+    rc1, done1, _ = _done(n1)
+    rc2, done2, _ = _done(n2)
+    assert rc_s == 0 and rc2 == 0 and (tmp_path / "r2" / "w.bin").read_bytes() == data
+    assert rc1 == 1 and not done1["ok"] and "writing w.bin under" in done1["local_error"], done1
+    assert done1["fwd"] == done1["recv"] > len(data)

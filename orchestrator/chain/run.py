@@ -59,7 +59,7 @@ class NodeOutcome:
     def dead(self) -> bool:
         """Failed itself, as opposed to cut off by a dead upstream (which a repair pass can finish)."""
         d = self.done or {}
-        return bool(self.error) or bool(d.get("bad")) or self.sink_failed
+        return bool(self.error) or bool(d.get("bad")) or bool(d.get("local_error")) or self.sink_failed
 
     @property
     def sink_failed(self) -> bool:
@@ -76,6 +76,8 @@ class NodeOutcome:
         d = self.done or {}
         if d.get("bad"):
             return "received file(s) that do not match the manifest: " + "; ".join(d["bad"][:3])
+        if d.get("local_error"):
+            return f"it could not write what it received ({d['local_error']}); it still forwarded everything"
         if self.sink_failed:
             return f"the whole stream arrived and its load failed (exit {d['sink_rc']})"
         if d.get("up_lost"):

@@ -115,6 +115,8 @@ class Node:
         self.down_lost = ""
         self.up_lost = ""
         self.bad: list[str] = []
+        self.local_error = ""                    # this node could not write (full disk, bad folder): it
+                                                 # still forwards, the nodes after it need the bytes
         self.done_files: list[str] = []
         self.current = ""
         self.finished = False
@@ -183,6 +185,16 @@ class Node:
         elif kind == b"Z":
             self.finished = True
 
+    def drop_partial(self, state: dict) -> None:
+        f = state.get("f")
+        if f is not None:
+            try:
+                f.close()
+                os.unlink(state["part"])
+            except OSError:
+                pass
+        state.clear()
+
     def finish_file(self, st: dict) -> None:
         f, head, rel = st["f"], st["head"], st["rel"]
         f.flush()
@@ -234,7 +246,13 @@ class Node:
                 kind, n = HDR.unpack_from(buf, pos)
                 if len(buf) - pos < HDR.size + n:
                     break
-                self.apply(kind, bytes(buf[pos + HDR.size:pos + HDR.size + n]), state)
+                payload = bytes(buf[pos + HDR.size:pos + HDR.size + n])
+                if not self.local_error or kind == b"Z":     # after a write error: forward only
+                    try:
+                        self.apply(kind, payload, state)
+                    except OSError as e:
+                        self.local_error = f"writing {self.current} under {self.root}: {e}"
+                        self.drop_partial(state)
                 pos += HDR.size + n
             del buf[:pos]
         if state.get("f"):
@@ -395,10 +413,12 @@ def main() -> int:
     if node.sink is not None and node.sink_rc is None:
         node.end_sink()
     missing = sorted(node.need - set(node.done_files))
-    ok = node.finished and not node.bad and not missing if spec["role"] == "relay" else node.finished
+    ok = (node.finished and not node.bad and not missing and not node.local_error if spec["role"] == "relay"
+          else node.finished)
     extra = {"sink_rc": node.sink_rc, "sink_tail": node.sink_tail} if node.mode == "stream" else {}
     out.emit(ev="done", ok=bool(ok and rc == 0), files=len(node.done_files), missing=missing[:50],
-             missing_count=len(missing), bad=node.bad, up_lost=node.up_lost, down_lost=node.down_lost,
+             missing_count=len(missing), bad=node.bad, local_error=node.local_error, up_lost=node.up_lost,
+             down_lost=node.down_lost,
              seconds=round(time.monotonic() - started, 3), **extra, **node.report())
     return 0 if ok and rc == 0 else 1
 
