@@ -29,8 +29,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("cli", "cli", ("cli", "__main__")),
     ("runner", "runner", ("runner",)),
     ("stages", "stages", ("stages",)),
-    ("domain", "domain: launch, fabric, ship, modelfetch, modelsync, imagechain, benchmark, monitor",
-     ("launch", "fabric", "ship", "modelfetch", "modelsync", "imagechain", "benchmark", "monitor")),
+    ("domain", "domain: launch, fabric, chain, ship, modelfetch, modelsync, imagechain, benchmark, monitor",
+     ("launch", "fabric", "chain", "ship", "modelfetch", "modelsync", "imagechain", "benchmark", "monitor")),
     ("executors", "executors", ("executors",)),
     ("hostside", "hostside: what runs on hosts (standard library only)", ("hostside",)),
     ("leaf", "leaf modules", ()),          # every other top-level module
