@@ -24,8 +24,8 @@ from ..chain.run import NodeOutcome, Timeouts, run_pass, slowest
 from ..outcomes import HostFailure, HostResult
 from .manifest import Manifest, gb
 from .progress import Progress
-from .push import (STAGE_NAME, extras_note, head_first, head_manifest, head_result, hub_mismatch, job_of, report,
-                   verify)
+from .push import (STAGE_NAME, exact_result, extras_note, head_first, head_manifest, head_result, hub_mismatch,
+                   job_of, report, verify)
 from .settings import MARGIN_BYTES, MIN_RATE, Settings
 
 if TYPE_CHECKING:
@@ -175,10 +175,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
         try:
             v = verify(dep, w, job.check, m, st, log)
             if v.complete:
-                why = f"already exact: {m.describe()} match the head's sha256, nothing sent"
-                return HostResult(w.name, STAGE_NAME, "skipped", why + extras_note(v),
-                                  data=report(m, v, files_sent=0, bytes_sent=0, skipped_reason=why,
-                                              duration_s=round(time.monotonic() - t0, 3)))
+                return exact_result(w.name, m, v, t0)
             files, need = v.to_send(m), v.bytes_to_send(m)
             if need + MARGIN_BYTES > v.avail_bytes:
                 raise HostFailure(f"not enough space on {w.name} at {v.avail_path} for {dep.checkpoint_dir(w)}: "

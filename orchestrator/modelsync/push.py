@@ -83,6 +83,14 @@ def report(m: Manifest, v: Verdict, **more) -> dict:
     return d
 
 
+def exact_result(host: str, m: Manifest, v: Verdict, t0: float) -> HostResult:
+    """A worker that already holds the head's exact checkpoint: skipped, nothing sent."""
+    why = f"already exact: {m.describe()} match the head's sha256, nothing sent"
+    return HostResult(host, STAGE_NAME, "skipped", why + extras_note(v),
+                      data=report(m, v, files_sent=0, bytes_sent=0, skipped_reason=why,
+                                  duration_s=round(time.monotonic() - t0, 3)))
+
+
 def extras_note(v: Verdict) -> str:
     if not v.extra:
         return ""
@@ -99,10 +107,7 @@ def push_one(dep: "Deployment", action: "Action", m: Manifest, st: Settings, ctx
     t0 = time.monotonic()
     v = verify(dep, w, job.check, m, st, log)
     if v.complete:
-        why = f"already exact: {m.describe()} match the head's sha256, nothing sent"
-        return HostResult(w.name, STAGE_NAME, "skipped", why + extras_note(v),
-                          data=report(m, v, files_sent=0, bytes_sent=0, skipped_reason=why,
-                                      duration_s=round(time.monotonic() - t0, 3)))
+        return exact_result(w.name, m, v, t0)
     if not v.rsync:
         raise HostFailure(f"rsync is not installed on {w.name} (apt-get install rsync); nothing was copied")
     files, need = v.to_send(m), v.bytes_to_send(m)
