@@ -12,28 +12,18 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from orchestrator.chain import route
 from orchestrator.chain.run import BOOTSTRAP, SCRIPT
 from orchestrator.errors import InputError
 from orchestrator.hostside import chain_node, modelsync
 from orchestrator.inventory import load_inventory
-
-
-def _inventory(tmp_path: Path, hosts: dict, **cvars) -> Path:
-    inv = {"all": {"vars": {"deployment": "ch", "recipe": "deepseek-v41-flash-tp4", "head": "n1", **cvars},
-                   "hosts": {name: {"ansible_host": f"10.0.0.{i + 1}", "rank": i, "hardware": "dgx-spark",
-                                    "nvme_dir": "/nvme", "model_cache": "/models", **extra}
-                             for i, (name, extra) in enumerate(hosts.items())}}}
-    p = tmp_path / "inv.yml"
-    p.write_text(yaml.safe_dump(inv))
-    return p
+from tests.test_fabric_units import _inventory
 
 
 def test_switch_chain_is_rank_order_over_the_fabric_addresses(tmp_path):
-    c = load_inventory(_inventory(tmp_path, {f"n{k}": {"fabric_address": f"192.168.100.1{k}/24"} for k in (1, 2, 3, 4)},
-                                  distribution="chain"))
+    c = load_inventory(_inventory(tmp_path, "switch", {f"n{k}": {"fabric_address": f"192.168.100.1{k}/24"}
+                                                       for k in (1, 2, 3, 4)}, distribution="chain"))
     assert c.distribution == "chain"
     hops = route.route(c, "n1", ["n4", "n2", "n3"])
     assert [(h.upstream, h.host, h.address, h.network) for h in hops[1:]] == [
@@ -43,8 +33,8 @@ def test_switch_chain_is_rank_order_over_the_fabric_addresses(tmp_path):
 
 
 def test_a_host_without_a_fabric_address_is_reached_over_management_and_the_plan_says_so(tmp_path):
-    c = load_inventory(_inventory(tmp_path, {"n1": {"fabric_address": "192.168.100.11"}, "n2": {},
-                                             "n3": {"fabric_address": "192.168.100.13"}}))
+    c = load_inventory(_inventory(tmp_path, "switch", {"n1": {"fabric_address": "192.168.100.11"}, "n2": {},
+                                                       "n3": {"fabric_address": "192.168.100.13"}}))
     assert c.distribution == "direct"                     # the default
     hops = route.route(c, "n1", ["n2", "n3"])
     assert (hops[1].address, hops[1].network) == ("10.0.0.2", "management")
@@ -58,7 +48,7 @@ def test_ring_chain_follows_the_cables(tmp_path):
         "n3": {"fabric_links": {"n4": {"iface": "a", "address": "10.1.34.2/30"}, "n1": {"iface": "b", "address": "10.1.13.2/30"}}},
         "n4": {"fabric_links": {"n2": {"iface": "a", "address": "10.1.24.2/30"}, "n3": {"iface": "b", "address": "10.1.34.1/30"}}},
     }
-    c = load_inventory(_inventory(tmp_path, ring, fabric_topology="mesh"))
+    c = load_inventory(_inventory(tmp_path, "mesh", ring))
     hops = route.route(c, "n1", ["n2", "n3", "n4"])
     assert [h.host for h in hops] == ["n1", "n2", "n4", "n3"]
     assert [h.address for h in hops[1:]] == ["10.1.12.2", "10.1.24.2", "10.1.34.2"]   # each its end of the cable
@@ -67,7 +57,7 @@ def test_ring_chain_follows_the_cables(tmp_path):
 
 def test_bad_distribution_names_the_key(tmp_path):
     with pytest.raises(InputError, match="all.vars.distribution"):
-        load_inventory(_inventory(tmp_path, {"n1": {}}, distribution="torrent"))
+        load_inventory(_inventory(tmp_path, "switch", {"n1": {}}, distribution="torrent"))
 
 
 def test_the_partial_folder_has_one_name():

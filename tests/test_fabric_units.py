@@ -33,9 +33,10 @@ def test_rounds_cover_every_pair_once_and_no_host_twice(n):
     assert len(plan) == (n - 1 if n % 2 == 0 else n)     # 8 hosts: 7 rounds of 4 pairs
 
 
-def _inventory(tmp_path: Path, topology_: str, hosts: dict) -> Path:
+def _inventory(tmp_path: Path, topology_: str, hosts: dict, **cvars) -> Path:
+    """An inventory of HOSTS (name -> extra host vars), n1 the head, at 10.0.0.<i+1>; CVARS: more all.vars."""
     inv = {"all": {"vars": {"deployment": "fab", "recipe": "deepseek-v41-flash-tp4", "head": "n1",
-                            "fabric_topology": topology_},
+                            "fabric_topology": topology_, **cvars},
                    "hosts": {name: {"ansible_host": f"10.0.0.{i + 1}", "rank": i, "hardware": "dgx-spark",
                                     "nvme_dir": "/nvme", "model_cache": "/models", **extra}
                              for i, (name, extra) in enumerate(hosts.items())}}}

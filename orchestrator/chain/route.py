@@ -26,9 +26,7 @@ class Hop:
     upstream: str          # "" for the source
     address: str           # where the upstream connects (the node binds there); the source: ""
     network: str           # FABRIC | MANAGEMENT ("" for the source)
-
-    def describe(self) -> str:
-        return f"{self.upstream} -> {self.host} over the {self.network} ({self.address})"
+    downstream: str = ""   # the next hop's host; "" for the chain's tail
 
 
 def _bare(address: str) -> str:
@@ -60,10 +58,10 @@ def order(cluster: "Cluster", source: str, targets: list[str]) -> list[str]:
 
 def route(cluster: "Cluster", source: str, targets: list[str]) -> list[Hop]:
     names = order(cluster, source, targets)
-    hops = [Hop(source, "", "", "")]
-    for up, name in zip(names, names[1:]):
+    hops = [Hop(source, "", "", "", names[1] if len(names) > 1 else "")]
+    for i, (up, name) in enumerate(zip(names, names[1:]), start=2):
         addr, net = hop_address(cluster, cluster.host(up), cluster.host(name))
-        hops.append(Hop(name, up, addr, net))
+        hops.append(Hop(name, up, addr, net, names[i] if i < len(names) else ""))
     return hops
 
 

@@ -170,12 +170,10 @@ def run_pass(cluster: "Cluster", hops: list[Hop], specs: dict[str, dict], t: Tim
             o.error = o.error or "the chain was not wired: another node failed to start (see it)"
         except SSHError as e:
             o.error = f"SSH: {e}" if not wired else f"lost during the transfer: {e}"
-            barrier.abort()
-        except Exception as e:  # a node that cannot start stops the wiring for all
+        except Exception as e:
             o.error = str(e) or type(e).__name__
-            barrier.abort()
         if not wired:
-            barrier.abort()
+            barrier.abort()               # a node that cannot start stops the wiring for all
 
     threads = [threading.Thread(target=external, args=(h,), daemon=True) if i == 0 and source else
                threading.Thread(target=node, args=(i, h), daemon=True) for i, h in enumerate(hops)]
@@ -189,7 +187,11 @@ def run_pass(cluster: "Cluster", hops: list[Hop], specs: dict[str, dict], t: Tim
     return outs
 
 
-def slowest(outs: dict[str, NodeOutcome], hops: list[Hop]) -> NodeOutcome | None:
-    """The relay with the lowest receive rate: the hop that bounds the chain."""
+def slowest_note(outs: dict[str, NodeOutcome], hops: list[Hop]) -> str:
+    """"; slowest hop: A -> B at R MB/s": the relay with the lowest receive rate, the hop that bounds
+    the chain ("" when none received anything)."""
     relays = [outs[h.host] for h in hops[1:] if outs[h.host].rate() > 0]
-    return min(relays, key=NodeOutcome.rate) if relays else None
+    if not relays:
+        return ""
+    low = min(relays, key=NodeOutcome.rate)
+    return f"; slowest hop: {low.upstream} -> {low.host} at {low.rate() / 1e6:.1f} MB/s"

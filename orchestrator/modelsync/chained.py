@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..chain import route
 from ..chain.gather import Gather
-from ..chain.run import NodeOutcome, Timeouts, run_pass, slowest
+from ..chain.run import NodeOutcome, Timeouts, run_pass, slowest_note
 from ..outcomes import HostFailure, HostResult
 from .manifest import Manifest, gb
 from .progress import Progress
@@ -104,25 +104,23 @@ def distribute(dep: "Deployment", m: Manifest, wants: dict[str, Wanted], st: Set
                  for h in hops}
         outs = run_pass(c, hops, specs, timeouts(st, nbytes), on_event, cancel)
         src = outs[source]
-        low = slowest(outs, hops)
-        ctx.say(f"  sync-model pass {n} done" + (f"; slowest hop: {low.upstream} -> {low.host} at "
-                                                  f"{low.rate() / 1e6:.1f} MB/s" if low else ""))
+        ctx.say(f"  sync-model pass {n} done{slowest_note(outs, hops)}")
         for h in targets:
             o: NodeOutcome = outs[h]
-            need[h] = [f for f in need[h] if f not in set(o.written)]
+            written = set(o.written)
+            need[h] = [f for f in need[h] if f not in written]
             if src.error:
                 o.error = o.error or f"the source {source} failed: {src.error}"
             d = Delivery(o.ok, upstream=o.upstream, network=o.network, recv=o.recv, fwd=o.fwd, rate=o.rate(),
                          passes=n, order=[x.host for x in hops], rc=o.rc, tail=o.tail)
+            if not o.ok:
+                d.message = o.why()
             if o.ok:
                 need[h] = []
                 complete.add(h)
             elif o.dead:
-                dead[h] = o.why()
-                d.message = o.why()
+                dead[h] = d.message
                 need[h] = []                 # cut out: no further pass for it
-            else:
-                d.message = o.why()
             wants[h].log.write(f"pass {n}: {'complete' if o.ok else 'NOT complete: ' + o.why()}; received "
                                f"{gb(o.recv)}, forwarded {gb(o.fwd)} at {o.rate() / 1e6:.1f} MB/s from {o.upstream}")
             results[h] = d

@@ -100,21 +100,22 @@ def head_job(dep: "Deployment", st: Settings, marker: str = "") -> SyncJob:
 
 def push_job(dep: "Deployment", worker: "Host", st: Settings) -> SyncJob:
     """`source: head`: verify the worker against the head's manifest, rsync what differs, verify again."""
-    head = dep.cluster.head_host
     root = dep.checkpoint_dir(worker)
-    rehash = ("--rehash",) if st.rehash else ()
-    transfer = Transfer(dep.checkpoint_dir(head), worker.user, worker.address, root, worker.port,
+    transfer = Transfer(dep.checkpoint_dir(dep.cluster.head_host), worker.user, worker.address, root, worker.port,
                         ssh_options(dep, worker, st), st.io_timeout, st.timeout, st.bwlimit_mbps)
-    return SyncJob(HostsideOp("verify", _root_args(worker, root) + rehash), transfer,
-                   HostsideOp("verify", _root_args(worker, root) + ("--clean",) + rehash))
+    return _verified(worker, root, st, transfer)
 
 
 def chain_job(dep: "Deployment", worker: "Host", st: Settings) -> SyncJob:
     """`distribution: chain`: verify the worker, receive what it lacks through the chain (chained.py), verify
     again dropping the chain's partial folder. No transfer command: the chain is one run for all workers."""
-    root = dep.checkpoint_dir(worker)
+    return _verified(worker, dep.checkpoint_dir(worker), st, None)
+
+
+def _verified(worker: "Host", root: str, st: Settings, transfer: Transfer | None) -> SyncJob:
+    """A worker's verify before its copy and after it (the second drops the copy's leftovers)."""
     rehash = ("--rehash",) if st.rehash else ()
-    return SyncJob(HostsideOp("verify", _root_args(worker, root) + rehash), None,
+    return SyncJob(HostsideOp("verify", _root_args(worker, root) + rehash), transfer,
                    HostsideOp("verify", _root_args(worker, root) + ("--clean",) + rehash))
 
 

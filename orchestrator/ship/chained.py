@@ -19,7 +19,7 @@ import threading
 from typing import TYPE_CHECKING, Callable
 
 from ..chain import route
-from ..chain.run import NodeOutcome, SCRIPT, Timeouts as ChainTimeouts, run_pass, slowest
+from ..chain.run import NodeOutcome, SCRIPT, Timeouts as ChainTimeouts, run_pass, slowest_note
 from ..hostside.chain_node import SECRET_ENV
 from . import transfer as tr
 
@@ -80,9 +80,7 @@ def transfer(cluster: "Cluster", head_host: "Host", head: tr.HeadImage, sends: d
             return "" if w.get("ok") else "the head's agent: " + tr.explain(f"the first hop {hops[1].host}", w)
 
         outs = run_pass(cluster, hops, specs, chain_timeouts(t), on_node, cancel, source=source)
-        low = slowest(outs, hops)
-        say(f"  ship pass {n} done" + (f"; slowest hop: {low.upstream} -> {low.host} at {low.rate() / 1e6:.1f} MB/s"
-                                       if low else ""))
+        say(f"  ship pass {n} done{slowest_note(outs, hops)}")
         for h in targets:
             o: NodeOutcome = outs[h]
             d = o.done or {}
@@ -91,9 +89,9 @@ def transfer(cluster: "Cluster", head_host: "Host", head: tr.HeadImage, sends: d
                 o.stream_s,
                 message="" if o.ok else _why(o, outs[head_host.name], d),
                 rc=d.get("sink_rc") if d.get("sink_rc") not in (None, 0) else o.rc if o.error else None,
-                tail=list(d.get("sink_tail") or o.tail))
-            results[h].chain = {"upstream": o.upstream, "network": o.network, "forwarded": o.fwd, "passes": n,
-                                "order": [x.host for x in hops]}
+                tail=list(d.get("sink_tail") or o.tail),
+                chain={"upstream": o.upstream, "network": o.network, "forwarded": o.fwd, "passes": n,
+                       "order": [x.host for x in hops]})
             if o.ok or o.dead:
                 left.pop(h)
             if o.dead:

@@ -54,9 +54,9 @@ def _chain_plan(dep, t: Timeouts):
     hops = route.route(c, head.name, [w.name for w in c.workers])
     note = route.networks_note(hops)
     acts = []
-    for i, hop in enumerate(hops[1:], start=1):
+    for hop in hops[1:]:
         w = c.host(hop.host)
-        nxt = hops[i + 1].host if i + 1 < len(hops) else None
+        nxt = hop.downstream or None
         job = tr.ship_job(w, c, None, None, t)
         acts.append(Action(
             "ship", w.name, "image-chain",

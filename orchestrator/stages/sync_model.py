@@ -85,9 +85,9 @@ def _chain_plan(dep, st, what: str, pinned: str, details: dict):
                    f"it reads and sends each file the workers lack once",
                    command=hj.check.shown(head), details={**details, "distribution": "chain", "chain": note},
                    job=hj)]
-    for i, hop in enumerate(hops[1:], start=1):
+    for hop in hops[1:]:
         w = c.host(hop.host)
-        nxt = hops[i + 1].host if i + 1 < len(hops) else None
+        nxt = hop.downstream or None
         wj = jobs.chain_job(dep, w, st)
         acts.append(Action(
             NAME, w.name, "chain",
