@@ -42,6 +42,10 @@ class EngramSpec:
     # reading the checkpoint costs the engine what reading a copy does; docs/engram-contract.md has the
     # figures); otherwise (source shared, another filesystem) copy. copy: always copy.
     staging: Literal["auto", "copy"] = "auto"
+    # rows: with `distribution: chain` and model.source head, a worker keeps of the Engram shards only
+    # its rank's rows (and every byte that is not an Engram row; modelsync/rows.py), the rest holes;
+    # full: every worker keeps the whole checkpoint (to re-rank it later without a transfer).
+    receive: Literal["rows", "full"] = "rows"
     subdir: str = "engram"               # below the host's nvme_dir
     free_margin_gb: float = 5.0          # NVMe free space kept beyond the staged bytes
     # Engine environment for Engram-on-disk (patched vLLM); set only when placement is nvme.

@@ -165,6 +165,21 @@ class Synth:
         h1 = min(h0 + part, len(subs))
         return sum(subs[:h0]), sum(subs[:h1])
 
+    def partial_bytes(self, fname: str, tp: int, rank: int) -> bytes:
+        """A shard as a worker keeps it when it receives only its rank's Engram rows: every byte of the
+        shard but the other ranks' rows of its Engram tensors, which are zeros (holes)."""
+        data = bytearray((self.ckpt / fname).read_bytes())
+        for layer in self.layers:
+            lo, hi = self.expected_range(layer, tp, rank)
+            for name in (WEIGHT, SCALE):
+                t = self.tensors.get(name.format(layer=layer))
+                if t is None or t.file.name != fname:
+                    continue
+                start, end = t.offset, t.offset + t.rows * t.row_bytes
+                data[start:start + lo * t.row_bytes] = bytes(lo * t.row_bytes)
+                data[start + hi * t.row_bytes:end] = bytes(end - start - hi * t.row_bytes)
+        return bytes(data)
+
     def check_dest(self, dest: Path, tp: int, rank: int, layout: str = "sparse") -> None:
         """Every byte of every file the rank's staging wrote: per checkpoint shard holding an Engram
         tensor, a copy of the same size whose header bytes are the shard's, whose rank rows of each

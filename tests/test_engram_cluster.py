@@ -57,6 +57,70 @@ def staged(engram_cluster):
     return deployctl_stage(cluster.inventory_path, s.cluster_sets)
 
 
+def test_chain_gives_each_worker_only_its_ranks_engram_rows(engram_cluster):
+    """sync-model through the chain (the cluster's default: every host has a fabric address) to workers
+    that hold nothing: each keeps of the Engram shards only its rank's rows (the other ranks' rows are
+    holes: not stored, though every byte passed through it and the whole stream was checked against
+    the head's sha256), every other byte and file whole; a re-run sends and hashes nothing; then
+    stage-engram (staging auto) links those shards: nothing to copy. The tests after this one stage
+    and launch from these partial copies (the engine double loads every other tensor from them and
+    reads its rank's rows byte-exact)."""
+    cluster, s, dep = engram_cluster
+    workers = [h for h in dep.cluster.hosts if h.name != dep.cluster.head]
+    for h in workers:
+        shutil.rmtree(dep.checkpoint_dir(h))
+    argv = [sys.executable, "-m", "orchestrator", "sync-model", "-i", str(cluster.inventory_path),
+            "-r", "deepseek-v41-flash-tp4", *[x for v in s.cluster_sets for x in ("--set", v)], "--json"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads(p.stdout)
+    res = {r["host"]: r for r in doc["stages"][0]["results"]}
+    shards = sorted({t.file.name for n, t in s.tensors.items() if ".engram." in n})
+    ckpt_files = sorted(f.name for f in s.ckpt.iterdir())
+    for h in workers:
+        r, d = res[h.name], res[h.name]["data"]
+        assert r["status"] == "ok" and d["distribution"] == "chain" and d["network"] == "fabric", r
+        rows = d["engram_rows"]
+        assert rows["rank"] == h.rank and rows["tp"] == 4 and rows["files_in_part"] == shards, rows
+        assert f"it keeps only rank {h.rank}'s rows" in r["message"], r["message"]
+        folder = Path(dep.checkpoint_dir(h))
+        assert sorted(f.name for f in folder.iterdir() if not f.name.startswith(".deployctl")) == ckpt_files
+        kept = 0
+        for name in ckpt_files:
+            data = (folder / name).read_bytes()
+            if name in shards:
+                assert data == s.partial_bytes(name, 4, h.rank), (h.name, name)   # other ranks' rows: zeros
+                kept += rows["kept_bytes"][name]
+            else:
+                assert data == (s.ckpt / name).read_bytes(), (h.name, name)
+        # the bytes written are the kept ones; the holes take no disk (the two big weight shards)
+        assert d["bytes_sent"] == kept + sum((s.ckpt / n).stat().st_size for n in ckpt_files if n not in shards)
+        for name in shards:
+            st = (folder / name).stat()
+            if st.st_size > 64 * 4096:
+                assert st.st_blocks * 512 <= rows["kept_bytes"][name] + 4 * 4096 < st.st_size, (h.name, name)
+        # every byte passed through it: it received the whole checkpoint, the middle ones forwarded it
+        whole = sum((s.ckpt / n).stat().st_size for n in ckpt_files)
+        assert d["bytes_received"] >= whole, d
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = {r["host"]: r for r in json.loads(p.stdout)["stages"][0]["results"]}
+    for h in workers:
+        assert res[h.name]["status"] == "skipped" and res[h.name]["data"]["hashed_bytes"] == 0, res[h.name]
+        assert res[h.name]["data"]["engram_rows"]["files_in_part"] == shards
+    auto = [x for x in s.cluster_sets if not x.startswith("engram.staging=")] + ["engram.staging=auto"]
+    p, doc = deployctl_stage(cluster.inventory_path, auto)
+    assert p.returncode == 0, p.stderr
+    for h in workers:
+        r = results(doc)[h.name]
+        assert r["data"]["mode"] == "link" and r["data"]["bytes_written"] == 0, r
+        for name in shards:
+            a, b = (Path(dep.engram_dir(h)) / name).stat(), (Path(dep.checkpoint_dir(h)) / name).stat()
+            assert (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+        lo_hi = json.loads((Path(dep.engram_dir(h)) / "engram-local.json").read_text())["layers"]
+        assert lo_hi == {str(layer): list(s.expected_range(layer, 4, h.rank)) for layer in s.layers}
+
+
 def test_stage_every_host_through_ansible(engram_cluster, staged):
     cluster, s, dep = engram_cluster
     p, doc = staged
@@ -125,6 +189,12 @@ def test_restage_of_a_staged_cluster_asks_over_ssh_without_ansible(engram_cluste
 LAUNCH_DEP, LAUNCH_PORT, RECORD = "le4", 18002, "/tmp/dctl-record"
 
 
+def LOADED(s) -> dict:
+    """What the double's weights iterator loads from the whole checkpoint (the head's)."""
+    from tests.test_engram_engine_read import D
+    return D.engram_weights_loaded(str(s.ckpt))
+
+
 def test_engine_reads_the_staged_rows_in_every_container(engram_cluster, staged, double_image, tmp_path):
     """`deployctl up --only launch --only health` with the engine double as vLLM: every container gets
     DSV41_ENGRAM_DIR=/engram (its host's staged folder, mounted read-only); the double finds its rank's
@@ -153,6 +223,7 @@ def test_engine_reads_the_staged_rows_in_every_container(engram_cluster, staged,
     try:
         p = dctl("up", "-i", str(inv), "--only", "launch", "--only", "health", timeout=300)
         assert p.returncode == 0, p.stdout + p.stderr
+        loaded = LOADED(s)
         for h in launch_dep.cluster.hosts:
             (cid,) = containers(cluster, h.name, LAUNCH_DEP)
             env = json.loads(_docker(h.docker_host, "inspect", cid).stdout)[0]["Config"]["Env"]
@@ -169,6 +240,8 @@ def test_engine_reads_the_staged_rows_in_every_container(engram_cluster, staged,
                 got = doc["layers"][str(layer)]
                 assert (got["source"], got["dir"], got["row_start"], got["num_rows"]) == ("local", "/engram", lo, hi - lo)
                 assert got["compared"] and str(lo) in got["rows"] and str(hi - 1) in got["rows"]
+                # the weights iterator loaded every other tensor of the (partial) model folder, exact
+                assert doc["loaded"] == loaded, doc["loaded"]
                 for row, (w, sc) in got["rows"].items():
                     r = int(row)
                     want_w = read_rows(s.tensors[WEIGHT.format(layer=layer)], r, r + 1)

@@ -11,7 +11,9 @@ bytes of stdin are this source, then JSON lines on stdin:
   1. the spec: {"role": "source"|"relay", "mode": "files"|"stream", "run": ID, "secret": HEX,
      "bind": ADDR, "stall_s", "deadline_s", "accept_s", and per mode:
      files: "root": DIR, "files": [[rel, size, sha256], ...] (the source's stream, in order),
-            "need": [rel, ...] (what this node writes);
+            "need": [rel, ...] (what this node writes),
+            "keep": {rel: [[start, end], ...]} (files of NEED this node holds only in part: a DeepSeek
+            rank's own Engram rows and every byte that is not an Engram row; orchestrator/modelsync/rows.py);
      stream: "sink": ARGV, a local command fed every byte (the image: ship_relay.py -> docker load)}
   2. once every node listens: {"next": [ADDR, PORT]} or {"next": null} (the chain's tail).
 stdin's end = the controller is gone: the node stops at once (nothing is left running or listening).
@@ -24,6 +26,11 @@ travels only inside the controller's SSH channels, never in argv or on disk), th
 type (1 byte) + length (4, big-endian) + payload. H: a file's header (JSON: path, size, sha256),
 D: its data, E: its end, Z: the end of the stream. Authenticated, not encrypted: the fabric is the
 cluster's own cable; every file's sha256 is checked against the manifest on arrival.
+
+A file in KEEP is written sparse: its full size (holes), only the kept ranges at their own offsets. The
+whole stream of it is still hashed and must match the manifest; then ROOT/.deployctl-partial.json
+records {sha256, keep, kept: the sha256 of the kept bytes} before the file takes its name, which is
+what sync-model's verify checks it against later (hostside/modelsync.py, partial_expectations).
 
 Output (stdout, JSON lines): {"ev": "listen", "port": P} (relay) / {"ev": "ready"} (source),
 {"ev": "p", "recv", "fwd", "written", "file"} every second, {"ev": "done", ...} last. A file is written
@@ -45,6 +52,8 @@ import threading
 import time
 
 PARTIAL = ".deployctl-chain-partial"        # names starting .deployctl are never listed by a manifest
+RECORD = ".deployctl-partial.json"          # hostside/modelsync.py PARTIAL_RECORD: files held in part
+KEPT = "kept:"                              # hostside/modelsync.py KEPT: a partial file's cache value
 HDR = struct.Struct(">cI")
 CHUNK = 1 << 20
 NONCE = 16
@@ -80,6 +89,12 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
 def proof(secret: bytes, run: str, side: str, nonce: bytes) -> bytes:
     return hmac.new(secret, f"deployctl-chain/{run}/{side}/".encode() + nonce, hashlib.sha256).digest()
 
@@ -110,6 +125,7 @@ class Node:
         self.root = spec.get("root", "")
         self.stall = float(spec.get("stall_s", 60))
         self.need = set(spec.get("need", ()))
+        self.keep: dict[str, list] = spec.get("keep") or {}
         self.recv = self.fwd = self.written = 0
         self.down: socket.socket | None = None
         self.down_lost = ""
@@ -171,19 +187,60 @@ class Node:
             if rel in self.need:
                 part = os.path.join(self.root, PARTIAL, rel)
                 os.makedirs(os.path.dirname(part), exist_ok=True)
-                state.update(rel=rel, head=head, part=part, f=open(part, "wb"), h=hashlib.sha256(), n=0)
+                f = open(part, "wb", buffering=0)
+                state.update(rel=rel, head=head, part=part, f=f, h=hashlib.sha256(), n=0)
+                if rel in self.keep:
+                    f.truncate(int(head["size"]))        # holes where nothing is kept
+                    state.update(keep=[(int(a), int(b)) for a, b in self.keep[rel]], kh=hashlib.sha256())
         elif kind == b"D":
             if state:
-                state["f"].write(payload)
                 state["h"].update(payload)
+                if "keep" in state:
+                    self.write_kept(state, payload)
+                else:
+                    pwrite_all(state["f"].fileno(), memoryview(payload), state["n"])
+                    self.written += len(payload)
                 state["n"] += len(payload)
-                self.written += len(payload)
         elif kind == b"E":
             if state:
                 self.finish_file(state)
             state.clear()
         elif kind == b"Z":
             self.finished = True
+
+    def write_kept(self, state: dict, payload: bytes) -> None:
+        """The parts of PAYLOAD (file bytes [n, n + len)) inside a kept range, at their own offsets."""
+        lo, hi = state["n"], state["n"] + len(payload)
+        view = memoryview(payload)
+        for a, b in state["keep"]:
+            s, e = max(a, lo), min(b, hi)
+            if s < e:
+                piece = view[s - lo:e - lo]
+                pwrite_all(state["f"].fileno(), piece, s)
+                state["kh"].update(piece)
+                self.written += e - s
+
+    def record(self, rel: str, entry: dict | None) -> None:
+        """ROOT's record of the files held in part: REL's ENTRY set (or dropped), written atomically."""
+        path = os.path.join(self.root, RECORD)
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            doc = {}
+        files = doc.get("files") if isinstance(doc.get("files"), dict) else {}
+        if entry is None and rel not in files:
+            return
+        if entry is None:
+            files.pop(rel)
+        else:
+            files[rel] = entry
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"version": 1, "files": files}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     def drop_partial(self, state: dict) -> None:
         f = state.get("f")
@@ -197,7 +254,6 @@ class Node:
 
     def finish_file(self, st: dict) -> None:
         f, head, rel = st["f"], st["head"], st["rel"]
-        f.flush()
         os.fsync(f.fileno())
         f.close()
         sha = st["h"].hexdigest()
@@ -206,15 +262,24 @@ class Node:
                             f"sha256 {head['sha256'][:12]}")
             os.unlink(st["part"])
             return
+        value = sha
+        if "keep" in st:
+            # the record first: a crash before the rename leaves the old file, whose kept ranges do not
+            # hash to this record, so it is sent again
+            value = KEPT + st["kh"].hexdigest()
+            self.record(rel, {"sha256": sha, "keep": [list(k) for k in st["keep"]], "kept": value[len(KEPT):]})
         dst = os.path.join(self.root, rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         os.replace(st["part"], dst)
+        if "keep" not in st:
+            self.record(rel, None)               # whole now: no longer held in part
         self.done_files.append(rel)
         s = os.stat(dst)
         # modelsync's hash-cache entry (hostside/modelsync.py HashCache): the verify after the copy
-        # trusts this sha256 while the file keeps this stat, instead of reading the file again
-        entry = [s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, sha, s.st_nlink]
-        self.out.emit(ev="file", path=rel, bytes=st["n"], cache=entry)
+        # trusts this value while the file keeps this stat, instead of reading the file again
+        entry = [s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, value, s.st_nlink]
+        self.out.emit(ev="file", path=rel, bytes=st["n"], kept=st["n"] if "keep" not in st else
+                      sum(b - a for a, b in st["keep"]), cache=entry)
 
     # -- roles --------------------------------------------------------------------------------------
     def relay(self, up: socket.socket) -> None:

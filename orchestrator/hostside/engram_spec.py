@@ -208,6 +208,21 @@ class Spec:
         return out
 
 
+def spec_for(recipe: Any, rank: int, tp: int | None = None) -> Spec:
+    """The spec of RECIPE's (an orchestrator.recipe.Recipe) Engram tables for `rank` of `tp` (default the
+    recipe's tensor_parallel): what stage-engram runs and what sync-model sends a rank of."""
+    eg = recipe.engram
+    if eg is None:
+        raise InputError(f"recipe {recipe.name} has no Engram tables", key="engram")
+    spec = Spec(geometry=eg.geometry, weight_tensor=eg.weight_tensor, scale_tensor=eg.scale_tensor,
+                scale_dtype=eg.scale_dtype, scale_values_per_row=eg.scale_values_per_row,
+                layout=eg.layout, tp=tp or recipe.parallelism.tensor_parallel, rank=rank,
+                recipe=recipe.name, recipe_digest=recipe.digest, free_margin_gb=eg.free_margin_gb,
+                link=eg.staging == "auto" and recipe.model.source != "shared")
+    spec.check(f"recipe {recipe.name}")
+    return spec
+
+
 def local_ranges(spec: Spec) -> dict[str, list[int]]:
     """engram-local.json's "layers" for a spec: {"1": [lo, hi], ...}."""
     return {str(r.layer): [r.row_start, r.row_end] for r in spec.ranges()}

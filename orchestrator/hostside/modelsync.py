@@ -4,9 +4,10 @@ This file is sent to a host over SSH and run there with the host's python3 (see 
 `python3 -c BOOTSTRAP N OP ARGS`, the first N bytes of stdin are this source, the rest is the
 operation's input). It writes nothing on the host except its hash cache and, when asked, a marker.
 
-  manifest --root DIR --cache FILE [--rehash] [--marker NAME=NONCE] [--require PATH]...
+  manifest --root DIR --cache FILE [--rehash] [--marker NAME=NONCE] [--require PATH]... [--tensor NAME]...
       The checkpoint's files (relative path, size, sha256), symlinks followed (an HF snapshot's
-      links into ../../blobs are read through). Prints one JSON object.
+      links into ../../blobs are read through); per --tensor, the file holding it (the index's
+      weight_map) and its absolute byte range [start, end) in that file. Prints one JSON object.
   verify --root DIR --cache FILE [--sizes-only] [--rehash] [--marker NAME] [--clean]   (stdin: a manifest)
       Which of the manifest's files are missing or differ here, extra files, free space on the
       filesystem that would receive them, rsync present. Prints one JSON object. --clean: when
@@ -16,6 +17,13 @@ operation's input). It writes nothing on the host except its hash cache and, whe
 
 verify's stdin may carry "seen": {rel: cache entry} for files a chain node hashed while writing
 them (orchestrator/hostside/chain_node.py); they count as cached while their stat is unchanged.
+And "partial": {rel: [[start, end], ...]}: files this node should hold only in part (a DeepSeek rank's
+own Engram rows plus everything that is not an Engram row; orchestrator/modelsync/rows.py). Such a
+file counts as the manifest's when the node's record of partial files (ROOT/.deployctl-partial.json,
+written by chain_node.py after the whole stream matched the manifest's sha256) names the same sha256
+and the same ranges, and the kept ranges still hash to the recorded value ("kept:" entries in the hash
+cache; --rehash reads the kept ranges again). A whole file always counts; a partial file where the
+whole one is wanted never does.
 Hash cache: FILE maps a relative path to [size, mtime_ns, ctime_ns, inode, sha256, nlink] of the file
 it was hashed from; a file is re-hashed only when one of those changed (ctime: a rewrite that restored
 the mtime still shows), except a ctime that moved with the link count alone: a hard link added or
@@ -43,6 +51,8 @@ BOOTSTRAP = ("import sys;n=int(sys.argv.pop(1));"
 OURS = ".deployctl"                   # prefix of names we create inside a checkpoint folder
 PARTIAL_DIR = ".deployctl-rsync-partial"   # rsync --partial-dir (rsync.py uses this name)
 CHAIN_PARTIAL = ".deployctl-chain-partial"  # chain_node.py's PARTIAL: files not yet verified
+PARTIAL_RECORD = ".deployctl-partial.json"  # chain_node.py's RECORD: the files held only in part
+KEPT = "kept:"                        # a hash-cache value that is the sha256 of a partial file's kept ranges
 RSYNC_TEMP = re.compile(r"^\.(.+)\.[A-Za-z0-9]{6}$")   # rsync's temp name for NAME
 CHUNK = 8 * 1024 * 1024
 CACHE_VERSION = 1
@@ -108,6 +118,33 @@ def sha256_file(path: str, on_bytes) -> str:
     return h.hexdigest()
 
 
+def sha256_spans(path: str, spans: list, on_bytes) -> str:
+    """sha256 of the bytes of SPANS ([start, end) in file order) concatenated: a partial file's kept
+    ranges (chain_node.py hashes the same bytes as it writes them)."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        for start, end in spans:
+            pos = start
+            while pos < end:
+                data = os.pread(f.fileno(), min(CHUNK, end - pos), pos)
+                if not data:
+                    raise Fail(f"{path} ends at {pos}, before its kept range [{start}, {end})")
+                h.update(data)
+                pos += len(data)
+                on_bytes(len(data))
+    return h.hexdigest()
+
+
+def read_record(root: str) -> dict:
+    """ROOT's record of partial files: rel -> {"sha256": the whole file's, "keep": spans, "kept": sha256}."""
+    try:
+        with open(os.path.join(root, PARTIAL_RECORD)) as f:
+            doc = json.load(f)
+        return doc.get("files", {}) if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 class HashCache:
     """rel -> [size, mtime_ns, ctime_ns, ino, sha256], for one checkpoint root."""
 
@@ -150,8 +187,12 @@ class HashCache:
             print(f"warning: hash cache {self.path} not written: {e}", file=sys.stderr, flush=True)
 
 
-def hash_files(root: str, todo: dict[str, os.stat_result], cache: HashCache) -> tuple[dict[str, str], int]:
-    """sha256 of each file in TODO (from the cache where its stat is unchanged); bytes hashed."""
+def hash_files(root: str, todo: dict[str, os.stat_result], cache: HashCache,
+                spans: dict[str, list] | None = None) -> tuple[dict[str, str], int]:
+    """sha256 of each file in TODO (from the cache where its stat is unchanged); bytes hashed. A file in
+    SPANS is hashed over those ranges only: KEPT + their sha256. A cached value of either kind stands
+    while the stat does (a KEPT one where the whole file is wanted then simply differs, unread)."""
+    spans = spans or {}
     out: dict[str, str] = {}
     need = []
     for rel, st in todo.items():
@@ -160,7 +201,10 @@ def hash_files(root: str, todo: dict[str, os.stat_result], cache: HashCache) -> 
             out[rel] = sha
         else:
             need.append(rel)
-    total = sum(todo[r].st_size for r in need)
+
+    def size(rel: str) -> int:
+        return sum(e - s for s, e in spans[rel]) if rel in spans else todo[rel].st_size
+    total = sum(size(r) for r in need)
     done = [0]
     lock = threading.Lock()
     last = [time.monotonic()]
@@ -174,10 +218,13 @@ def hash_files(root: str, todo: dict[str, os.stat_result], cache: HashCache) -> 
                 print(f"progress {done[0]} {total}", file=sys.stderr, flush=True)
 
     def one(rel: str) -> tuple[str, str]:
-        return rel, sha256_file(os.path.join(root, rel), on_bytes)
+        path = os.path.join(root, rel)
+        if rel in spans:
+            return rel, KEPT + sha256_spans(path, spans[rel], on_bytes)
+        return rel, sha256_file(path, on_bytes)
 
     # Big files first so the threads finish together; a few threads saturate NVMe or NFS.
-    need.sort(key=lambda r: -todo[r].st_size)
+    need.sort(key=lambda r: -size(r))
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(need)))) as pool:
         for rel, sha in pool.map(one, need):
             # The stat from before hashing: a file changed while being read is re-hashed next time.
@@ -274,6 +321,42 @@ def _no_root(root: str) -> Fail:
     return Fail(msg)
 
 
+def tensor_ranges(root: str, names: list[str]) -> dict[str, list]:
+    """name -> [file (relative), start, end]: where each tensor's bytes are, from the index's weight_map
+    (or the one model.safetensors) and that file's own header, the way safetensors readers find them
+    (8-byte little-endian header length, JSON header, data_offsets after it)."""
+    if not names:
+        return {}
+    index = os.path.join(root, "model.safetensors.index.json")
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except FileNotFoundError:
+        weight_map = {n: "model.safetensors" for n in names}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise Fail(f"{index}: no readable weight_map ({e})")
+    out: dict[str, list] = {}
+    headers: dict[str, tuple[int, dict]] = {}
+    for name in names:
+        rel = weight_map.get(name)
+        if rel is None:
+            raise Fail(f"{index} has no tensor {name!r}")
+        if rel not in headers:
+            try:
+                with open(os.path.join(root, rel), "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    headers[rel] = (8 + n, json.loads(f.read(n)))
+            except (OSError, ValueError) as e:
+                raise Fail(f"{os.path.join(root, rel)}: unreadable safetensors header ({e})")
+        start, hdr = headers[rel]
+        meta = hdr.get(name)
+        if not isinstance(meta, dict) or "data_offsets" not in meta:
+            raise Fail(f"{os.path.join(root, rel)}: its header has no tensor {name!r} (the index says it does)")
+        lo, hi = meta["data_offsets"]
+        out[name] = [rel, start + int(lo), start + int(hi)]
+    return out
+
+
 def op_manifest(args: dict) -> dict:
     root = args["root"]
     t0 = time.monotonic()
@@ -291,7 +374,8 @@ def op_manifest(args: dict) -> dict:
     out = {"root": root, "files": [[rel, files[rel].st_size, shas[rel]] for rel in sorted(files)],
            "hashed_bytes": hashed, "seconds": round(time.monotonic() - t0, 3),
            "mount": mount_of(root), "missing_required": missing_req,
-           "rsync": shutil.which("rsync"), "ssh": shutil.which("ssh")}
+           "rsync": shutil.which("rsync"), "ssh": shutil.which("ssh"),
+           "tensors": tensor_ranges(root, args["tensor"])}
     if args["marker"]:
         name, _, nonce = args["marker"].partition("=")
         path = _marker_path(root, name)
@@ -339,17 +423,24 @@ def op_verify(args: dict, manifest: dict) -> dict:
         out["ok"] = len(same_size)
     else:
         cache = HashCache(args["cache"], root, args["rehash"])
+        spans, expect = partial_expectations(root, manifest.get("partial") or {}, want, same_size)
         if not args["rehash"]:
             # a chain node hashed these as it wrote them and matched the manifest (chain_node.py); its
             # entry stands only while the file's stat is still the one it took after the rename
             for rel, e in (manifest.get("seen") or {}).items():
-                if rel in want and len(e) == 6 and e[4] == want[rel][1]:
+                if rel in want and len(e) == 6 and e[4] in (want[rel][1], expect.get(rel)):
                     cache.entries[rel] = e
-        shas, out["hashed_bytes"] = hash_files(root, same_size, cache)
+        shas, out["hashed_bytes"] = hash_files(root, same_size, cache, spans)
         cache.save(set(have))
+        out["partial_ok"] = 0
         for rel in sorted(same_size):
-            if shas[rel] == want[rel][1]:
+            if shas[rel] in (want[rel][1], expect.get(rel)):
                 out["ok"] += 1
+                out["partial_ok"] += shas[rel] == expect.get(rel)
+            elif rel in spans:
+                out["differ"].append([rel, "its kept ranges no longer hash to what the chain wrote"])
+            elif shas[rel].startswith(KEPT):
+                out["differ"].append([rel, "held in part (another rank's rows, or the whole file is wanted)"])
             else:
                 out["differ"].append([rel, f"sha256 {shas[rel][:12]}... != {want[rel][1][:12]}..."])
     if args["clean"] and not out["missing"] and not out["differ"]:
@@ -357,6 +448,21 @@ def op_verify(args: dict, manifest: dict) -> dict:
         out["extra"] = [e for e in out["extra"] if e not in out["cleaned"]]
     out["seconds"] = round(time.monotonic() - t0, 3)
     return out
+
+
+def partial_expectations(root: str, partial: dict, want: dict, present: dict) -> tuple[dict, dict]:
+    """For the files this node should hold in part: (rel -> spans to hash, rel -> the value they must
+    hash to), for those the record says were written from a stream that matched the manifest with
+    exactly these ranges kept. The others are judged whole (a whole file is always right)."""
+    if not partial:
+        return {}, {}
+    record = read_record(root)
+    spans, expect = {}, {}
+    for rel, keep in partial.items():
+        rec = record.get(rel)
+        if rel in present and isinstance(rec, dict) and rec.get("sha256") == want[rel][1] and rec.get("keep") == keep:
+            spans[rel], expect[rel] = keep, KEPT + str(rec.get("kept"))
+    return spans, expect
 
 
 def clean(root: str, want: dict, extra: list[str]) -> list[str]:
@@ -394,13 +500,13 @@ def parse(argv: list[str]) -> dict:
     if not argv or argv[0] not in ("manifest", "verify", "unmark"):
         raise Fail("usage: {manifest|verify|unmark} --root DIR ...")
     args = {"op": argv[0], "root": "", "cache": "", "rehash": False, "sizes_only": False, "marker": "",
-            "require": [], "clean": False}
+            "require": [], "tensor": [], "clean": False}
     it = iter(argv[1:])
     for a in it:
         if a in ("--root", "--cache", "--marker"):
             args[a[2:]] = next(it)
-        elif a == "--require":
-            args["require"].append(next(it))
+        elif a in ("--require", "--tensor"):
+            args[a[2:]].append(next(it))
         elif a in ("--rehash", "--sizes-only", "--clean"):
             args[a[2:].replace("-", "_")] = True
         else:

@@ -9,6 +9,8 @@
    takes its real name).
 4. A node that dies mid-chain is cut out: the nodes after it are finished by a second pass whose
    source is the last complete node before them (or the head), with only what each still lacks.
+   With Engram on NVMe a worker keeps of the Engram shards only its rank's rows (rows.py): such a
+   worker is never a repair source.
 5. Per worker: verify again (sha256, hash cache), dropping the chain's partial folder.
 """
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import TYPE_CHECKING
 from ..chain import route
 from ..chain.gather import Gather
 from ..chain.run import NodeOutcome, Timeouts, run_pass, slowest_note
+from ..hostside.engram_spec import spec_for
 from ..outcomes import HostFailure, HostResult
+from . import rows
 from .manifest import Manifest, gb
 from .progress import Progress
 from .push import (STAGE_NAME, exact_result, extras_note, head_first, head_manifest, head_result, hub_mismatch,
@@ -40,6 +44,7 @@ MAX_PASSES = 3
 class Wanted:
     files: list[str]
     log: "HostLog"
+    keep: dict = field(default_factory=dict)    # rel -> the byte ranges this host keeps of it (rows.py)
 
 
 @dataclass
@@ -100,6 +105,7 @@ def distribute(dep: "Deployment", m: Manifest, wants: dict[str, Wanted], st: Set
                 wants[host].log.write(f"received {doc['path']} ({doc['bytes']} bytes), sha256 matches the manifest")
 
         specs = {h.host: {"mode": "files", "root": dep.checkpoint_dir(c.host(h.host)), "need": need.get(h.host, []),
+                          **({"keep": wants[h.host].keep} if h.host in wants and wants[h.host].keep else {}),
                           **({"files": files, "rate_bps": (st.bwlimit_mbps or 0) * 1e6} if h.host == source else {})}
                  for h in hops}
         outs = run_pass(c, hops, specs, timeouts(st, nbytes), on_event, cancel)
@@ -117,7 +123,8 @@ def distribute(dep: "Deployment", m: Manifest, wants: dict[str, Wanted], st: Set
                 d.message = o.why()
             if o.ok:
                 need[h] = []
-                complete.add(h)
+                if not wants[h].keep:        # a host holding some files in part is no repair source
+                    complete.add(h)
             elif o.dead:
                 dead[h] = d.message
                 need[h] = []                 # cut out: no further pass for it
@@ -146,10 +153,24 @@ def distribute(dep: "Deployment", m: Manifest, wants: dict[str, Wanted], st: Set
     return results
 
 
+def rows_note(dep: "Deployment", rank: int, keep: dict) -> str:
+    """What a worker holding the Engram shards in part holds, for its result line."""
+    if not keep:
+        return ""
+    f = rows.figures(dep, rank)
+    return (f"; of the {len(keep)} Engram shard(s) it keeps only rank {rank}'s rows: {gb(f['rank_row_bytes'])} "
+            f"of the {gb(f['engram_bytes'])} of Engram rows (the rest are holes)")
+
+
+def rows_data(dep: "Deployment", rank: int, keep: dict) -> dict:
+    return {"engram_rows": {**rows.figures(dep, rank), "files_in_part": sorted(keep),
+                            "kept_bytes": {p: rows.kept_bytes(k) for p, k in keep.items()}}} if keep else {}
+
+
 def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list[HostResult]:
     st = Settings.from_options(ctx.options)
     head = dep.cluster.head_host
-    got: dict[str, Manifest] = {}
+    got: dict = {}                      # the head's manifest ("m") and its Engram tensors' places
     workers = {a.host for a in actions if a.host != head.name}
     gather: Gather[Delivery] | None = None
 
@@ -157,6 +178,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
         m, doc = head_manifest(dep, job_of(action).check, st, log)
         hub_mismatch(dep, m)
         got["m"] = m
+        got["tensors"] = doc.get("tensors") or {}
         return head_result(head.name, m, distribution="chain")
 
     def run(wants: dict) -> dict[str, Delivery]:
@@ -171,10 +193,16 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
         t0 = time.monotonic()
         joined = False
         try:
-            v = verify(dep, w, job.check, m, st, log)
+            keep = (rows.keep_spans(spec_for(dep.recipe, w.rank), got["tensors"], {p: n for p, n, _ in m.files})
+                    if rows.applies(dep) else {})
+            v = verify(dep, w, job.check, m, st, log, partial=keep)
             if v.complete:
-                return exact_result(w.name, m, v, t0)
-            files, need = v.to_send(m), v.bytes_to_send(m)
+                r = exact_result(w.name, m, v, t0)
+                r.message += rows_note(dep, w.rank, keep)
+                r.data.update(rows_data(dep, w.rank, keep))
+                return r
+            files = v.to_send(m)
+            need = sum(rows.kept_bytes(keep[p]) if p in keep else m.size_of(p) for p in files)
             if need + MARGIN_BYTES > v.avail_bytes:
                 raise HostFailure(f"not enough space on {w.name} at {v.avail_path} for {dep.checkpoint_dir(w)}: "
                                   f"{gb(need)} to receive + {gb(MARGIN_BYTES)} kept free, {gb(v.avail_bytes)} "
@@ -183,25 +211,26 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
             log.write(f"to receive: {v.problems(limit=10)}; {len(files)} files, {gb(need)}")
             joined = True
             t_copy = time.monotonic()
-            d = gather.join(w.name, Wanted(files, log), timeout=timeouts(st, m.total_bytes).deadline_s * MAX_PASSES
-                            + 300)
+            d = gather.join(w.name, Wanted(files, log, {p: keep[p] for p in files if p in keep}),
+                            timeout=timeouts(st, m.total_bytes).deadline_s * MAX_PASSES + 300)
             copy_s = time.monotonic() - t_copy
             if not d.ok:
                 raise HostFailure(f"{d.message}; re-run to finish (completed files are kept)", rc=d.rc,
                                   tail=d.tail[-10:])
-            after = verify(dep, w, job.after, m, st, log, seen=d.seen)
+            after = verify(dep, w, job.after, m, st, log, seen=d.seen, partial=keep)
             if not after.complete:
                 raise HostFailure(f"after the chain {w.name} still differs from the head: {after.problems()} "
                                   f"(did the head's files change during the sync? re-run)")
             msg = (f"received {len(files)} file(s), {gb(need)} from {d.upstream} over the {d.network} "
                    f"in {copy_s:.1f}s ({d.rate / 1e6:.0f} MB/s), forwarded {gb(d.fwd)}"
                    + (f" (pass {d.passes}, after {', '.join(d.cut)} was cut out of the chain)" if d.cut else "")
-                   + f"; now exact: {m.describe()}")
+                   + f"; now exact: {m.describe()}" + rows_note(dep, w.rank, keep))
             return HostResult(w.name, STAGE_NAME, "ok", msg + extras_note(after),
                               data=report(m, v, to_send=files[:50], bytes_to_send=need, files_sent=len(files),
                                           bytes_sent=need, bytes_received=d.recv, bytes_forwarded=d.fwd,
                                           upstream=d.upstream, network=d.network, chain=d.order, passes=d.passes, cut=d.cut,
                                           distribution="chain", copy_s=round(copy_s, 3),
+                                          **rows_data(dep, w.rank, keep),
                                           hashed_after=after.hashed_bytes,
                                           duration_s=round(time.monotonic() - t0, 3)))
         finally:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..hostside.modelsync import BOOTSTRAP
+from . import rows
 from .rsync import SshOptions, rsync_argv
 from .settings import Settings, cache_file
 
@@ -95,6 +96,8 @@ def head_job(dep: "Deployment", st: Settings, marker: str = "") -> SyncJob:
                       for a in ("--require", p))
     args += ("--rehash",) if st.rehash else ()
     args += ("--marker", marker) if marker else ()
+    if not marker and rows.applies(dep):    # where the Engram rows are: what each rank keeps (rows.py)
+        args += tuple(a for name in rows.tensor_names(dep) for a in ("--tensor", name))
     return SyncJob(HostsideOp("manifest", args))
 
 

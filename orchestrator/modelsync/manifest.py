@@ -44,10 +44,12 @@ class Manifest:
     def size_of(self, rel: str) -> int:
         return next(s for p, s, _ in self.files if p == rel)
 
-    def to_stdin(self, seen: dict | None = None) -> bytes:
+    def to_stdin(self, seen: dict | None = None, partial: dict | None = None) -> bytes:
         """What `hostside.py verify` reads. SEEN: hash-cache entries for files a chain node hashed as it
-        wrote them (modelsync/chained.py), so the verify after the copy does not read them again."""
-        return json.dumps({"files": self.files, **({"seen": seen} if seen else {})}, separators=(",", ":")).encode()
+        wrote them (modelsync/chained.py), so the verify after the copy does not read them again.
+        PARTIAL: rel -> the byte ranges this node keeps of it (modelsync/rows.py)."""
+        return json.dumps({"files": self.files, **({"seen": seen} if seen else {}),
+                           **({"partial": partial} if partial else {})}, separators=(",", ":")).encode()
 
     def describe(self) -> str:
         return f"{len(self.files)} files, {gb(self.total_bytes)}"

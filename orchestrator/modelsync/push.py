@@ -64,10 +64,10 @@ def hub_mismatch(dep: "Deployment", m: Manifest) -> None:
 
 
 def verify(dep: "Deployment", host: "Host", op: HostsideOp, m: Manifest, st: Settings, log: "HostLog",
-           seen: dict | None = None) -> Verdict:
+           seen: dict | None = None, partial: dict | None = None) -> Verdict:
     root = dep.checkpoint_dir(host)
     with remote.connect(host, dep.cluster, st.connect_timeout) as s:
-        v = Verdict.from_json(remote.hostside(s, op, data=m.to_stdin(seen),
+        v = Verdict.from_json(remote.hostside(s, op, data=m.to_stdin(seen, partial),
                                               timeout=verify_timeout(m.total_bytes)))
     log.write(f"verify {host.name}:{root}: {v.ok} match, to send: {v.problems()}, {len(v.extra)} extra, "
               f"hashed {gb(v.hashed_bytes)} in {v.seconds:.1f}s; {gb(v.avail_bytes)} free at {v.avail_path}")

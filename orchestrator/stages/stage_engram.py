@@ -24,7 +24,7 @@ from ..paths import PLAYBOOKS_DIR
 from ..plan import Action
 from ..runoptions import RunOptions
 from ..recipe import Recipe
-from ..hostside.engram_spec import Spec, local_ranges
+from ..hostside.engram_spec import Spec, local_ranges, spec_for
 from ..hostside.engram_spec import staged_bytes as _staged_bytes
 from .base import Stage
 from .tableop import TableJob, make_job, run_jobs, table_vars
@@ -45,16 +45,7 @@ SPEC_NAME = "engram-spec.json"
 
 def engram_spec(recipe: Recipe, rank: int, tp: int | None = None) -> Spec:
     """The host-side op's spec for `rank` (of `tp`, default the recipe's tensor_parallel)."""
-    eg = recipe.engram
-    if eg is None:
-        raise InputError(f"recipe {recipe.name} has no Engram tables", key="engram")
-    spec = Spec(geometry=eg.geometry, weight_tensor=eg.weight_tensor, scale_tensor=eg.scale_tensor,
-                scale_dtype=eg.scale_dtype, scale_values_per_row=eg.scale_values_per_row,
-                layout=eg.layout, tp=tp or recipe.parallelism.tensor_parallel, rank=rank,
-                recipe=recipe.name, recipe_digest=recipe.digest, free_margin_gb=eg.free_margin_gb,
-                link=eg.staging == "auto" and recipe.model.source != "shared")
-    spec.check(f"recipe {recipe.name}")
-    return spec
+    return spec_for(recipe, rank, tp)
 
 
 def staged_bytes(spec: Spec) -> int:

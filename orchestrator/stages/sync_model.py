@@ -7,7 +7,8 @@ The logic lives in orchestrator/modelsync/ (jobs.py, push.py, shared.py; hostsid
 from __future__ import annotations
 
 from ..chain import route
-from ..modelsync import chained, jobs, push, shared
+from ..modelsync import chained, jobs, push, rows, shared
+from ..modelsync.manifest import gb
 from ..modelsync.settings import Settings, cache_file, revision_note
 from ..plan import Action
 from ..runoptions import RunOptions
@@ -85,21 +86,26 @@ def _chain_plan(dep, st, what: str, pinned: str, details: dict):
                    f"it reads and sends each file the workers lack once",
                    command=hj.check.shown(head), details={**details, "distribution": "chain", "chain": note},
                    job=hj)]
+    in_part = rows.applies(dep)
     for hop in hops[1:]:
         w = c.host(hop.host)
         nxt = hop.downstream or None
         wj = jobs.chain_job(dep, w, st)
+        f = rows.figures(dep, w.rank) if in_part else {}
+        part = (f"; of the Engram shards it keeps only rank {w.rank}'s rows ({gb(f['rank_row_bytes'])} of the "
+                f"{gb(f['engram_bytes'])} of Engram rows, {gb(f['not_received_bytes'])} not stored: the "
+                f"whole stream still passes through and is checked)" if f else "")
         acts.append(Action(
             NAME, w.name, "chain",
             f"make {w.name}:{dep.checkpoint_dir(w)} exactly the head's {what}: verify by sha256 (cached), check "
             f"free space, then receive from {hop.upstream} over the {hop.network} at {hop.address} "
             + (f"while forwarding every byte to {nxt}, " if nxt else "(the chain's tail), ")
-            + "write only the files it lacks (sha256 checked before a file takes its name), verify again",
+            + "write only the files it lacks (sha256 checked before a file takes its name), verify again" + part,
             command=("ssh", f"{w.user}@{w.address}", "python3", "-c", "<bootstrap>", "<len(hostside/chain_node.py)>",
                      "<stdin: the node's spec; the per-run secret is not shown>"),
             details={**details, "checkpoint_dir": dep.checkpoint_dir(w), "distribution": "chain", "chain": note,
                      "upstream": hop.upstream, "listen": hop.address, "network": hop.network, "downstream": nxt,
-                     "verify": list(wj.check.shown(w))}, job=wj))
+                     "verify": list(wj.check.shown(w)), **({"engram_rows": f} if f else {})}, job=wj))
     return acts, note
 
 

@@ -34,7 +34,9 @@ Environment knobs (all optional):
   DSV41_ENGRAM_DISK=1     read every Engram layer's rows of this node's TP ranks exactly as the patched
                          vLLM engram.py does (MODEL/config.json geometry, DSV41_ENGRAM_DIR + engram-local.json
                          coverage, else the model folder; index -> shard -> header offsets), compare them with
-                         the model folder's when they came from DSV41_ENGRAM_DIR; problem -> exit 5
+                         the model folder's when they came from DSV41_ENGRAM_DIR; problem -> exit 5. First
+                         the weights iterator's reads: every indexed shard present and whole-sized, every
+                         tensor but the Engram ones read (their digest goes into the record as "loaded")
   DOUBLE_ENGRAM_SAMPLES  random rows read per Engram layer besides the first and last (default 16);
                          the rows' sha256 go to $DOUBLE_RECORD_DIR/engram-rows-rank<R>.json
 
@@ -631,6 +633,56 @@ def engram_check_rank(model_dir: str, tp: int, rank: int, samples: int = 16, env
     return record
 
 
+ENGRAM_SKIP = (".engram.embed.weight", ".engram.embed.scale")
+
+
+def engram_weights_loaded(model: str) -> dict:
+    """What the weights iterator reads from the model folder with DSV41_ENGRAM_DISK=1, and a digest of
+    it (a worker that received only its rank's Engram rows must still load every other tensor):
+    released vLLM 0.33.0 weight_utils.py `filter_duplicate_safetensors_files` (an indexed file that is
+    missing: FileNotFoundError; files not in the index are left out), `safetensors_weights_iterator`
+    (files in natural order, each opened with safe_open, which refuses a file whose size is not the
+    end of its header's data), and the community patch `patch/full/weight_utils.diff` (Engram tensor
+    names skipped before get_tensor: their bytes are never read)."""
+    files = sorted(n for n in os.listdir(model) if n.endswith(".safetensors"))
+    index = os.path.join(model, ENGRAM_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            indexed = set(json.load(f)["weight_map"].values())
+        missing = sorted(indexed - set(files))
+        if missing:
+            raise EngramError(f"FileNotFoundError: Weight files referenced in index but missing: {missing}")
+        files = [n for n in files if n in indexed]
+    h = hashlib.sha256()
+    read = skipped = 0
+    for name in files:
+        path = os.path.join(model, name)
+        header, start = read_st_header(path)
+        metas = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = start + max((m["data_offsets"][1] for m in metas.values()), default=0)
+        if os.path.getsize(path) != end:
+            raise EngramError(f"safetensors_rust.SafetensorError: Error while deserializing header: "
+                              f"MetadataIncompleteBuffer ({path}: {os.path.getsize(path)} bytes, its header "
+                              f"ends the data at {end})")
+        with open(path, "rb") as f:
+            for t in sorted(metas):
+                if t.endswith(ENGRAM_SKIP):
+                    skipped += 1
+                    continue
+                lo, hi = metas[t]["data_offsets"]
+                h.update(t.encode() + b"\0")
+                f.seek(start + lo)
+                left = hi - lo
+                while left:
+                    piece = f.read(min(left, 8 << 20))
+                    if not piece:
+                        raise EngramError(f"{path}: tensor {t} is cut short")
+                    h.update(piece)
+                    left -= len(piece)
+                read += 1
+    return {"tensors": read, "skipped_engram": skipped, "sha256": h.hexdigest(), "files": len(files)}
+
+
 def check_engram(cfg: Config) -> None:
     """DSV41_ENGRAM_DISK=1: read this node's ranks' Engram rows as the patched engine does; exit 5 when
     the engine would fail (missing index, file, tensor, header; short read) or rows differ."""
@@ -647,10 +699,19 @@ def check_engram(cfg: Config) -> None:
         log(f"Engram-on-disk: {cfg.model}/config.json has no engram_layer_ids: no Engram layers to read")
         return
     samples = int(os.environ.get("DOUBLE_ENGRAM_SAMPLES", "16"))
+    try:
+        loaded = engram_weights_loaded(cfg.model)
+    except EngramError as exc:
+        die(5, f"loading {cfg.model}: {exc}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        die(5, f"loading {cfg.model}: {type(exc).__name__}: {exc}")
+    log(f"weights iterator (DSV41_ENGRAM_DISK=1): {loaded['tensors']} tensors read from {loaded['files']} "
+        f"file(s) of {cfg.model}, {loaded['skipped_engram']} Engram tensors skipped (left on disk)")
     per = max(1, cfg.tp // max(1, cfg.nnodes))          # TP ranks on this node (one process each upstream)
     for rank in range(cfg.node_rank * per, min(cfg.tp, (cfg.node_rank + 1) * per)):
         try:
             record = engram_check_rank(cfg.model, cfg.tp, rank, samples)
+            record["loaded"] = loaded
         except EngramError as exc:
             die(5, f"Engram-on-disk (rank {rank} of {cfg.tp}): {exc}")
         except (OSError, ValueError, KeyError, TypeError) as exc:
