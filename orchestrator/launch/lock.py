@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import getpass
 import os
-import re
 import shlex
 import socket
 import time
