@@ -41,8 +41,8 @@ def test_the_head_locates_every_engram_tensor_the_engines_way(synth):
     for name, (rel, start, end) in tensors.items():
         t = synth.tensors[name]
         assert (rel, start, end) == (t.file.name, t.offset, t.offset + t.nbytes)
-    with pytest.raises(modelsync.Fail, match="has no tensor 'layers.7.engram.embed.weight'"):
-        modelsync.tensor_ranges(str(synth.ckpt), ["layers.7.engram.embed.weight"])
+    # a tensor the checkpoint does not hold is left out: sync-model then sends whole files, and says why
+    assert modelsync.tensor_ranges(str(synth.ckpt), ["layers.7.engram.embed.weight"]) == {}
 
 
 @pytest.mark.parametrize("tp", [4, 8])
@@ -91,6 +91,9 @@ def test_the_plan_figures_at_the_real_geometry(tmp_path):
         f = rows.figures(dep, 1)
         assert f["tp"] == tp and round(f["rank_row_bytes"] / 1e9, 2) == want, f
         assert round(f["engram_bytes"] / 1e9, 1) == 202.8
+    assert rows.unlocated(dep, {}).startswith("the head's checkpoint has no 'layers.1.engram.embed.weight'")
+    assert "(+2 more): every file is sent whole" in rows.unlocated(dep, {})
+    assert rows.unlocated(dep, {n: ["f", 0, 1] for n in rows.tensor_names(dep)}) == ""
     assert not rows.applies(load_deployment(inv(4), "deepseek-v41-flash-tp4", ("engram.receive=full",)))
     assert not rows.applies(load_deployment(inv(8), "deepseek-v41-flash-tp8-mem"))
 

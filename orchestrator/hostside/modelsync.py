@@ -324,7 +324,8 @@ def _no_root(root: str) -> Fail:
 def tensor_ranges(root: str, names: list[str]) -> dict[str, list]:
     """name -> [file (relative), start, end]: where each tensor's bytes are, from the index's weight_map
     (or the one model.safetensors) and that file's own header, the way safetensors readers find them
-    (8-byte little-endian header length, JSON header, data_offsets after it)."""
+    (8-byte little-endian header length, JSON header, data_offsets after it). A name the index does
+    not hold is left out (the caller sends whole files then; stage-engram names what is missing)."""
     if not names:
         return {}
     index = os.path.join(root, "model.safetensors.index.json")
@@ -332,7 +333,8 @@ def tensor_ranges(root: str, names: list[str]) -> dict[str, list]:
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
     except FileNotFoundError:
-        weight_map = {n: "model.safetensors" for n in names}
+        weight_map = {n: "model.safetensors" for n in names} if os.path.isfile(
+            os.path.join(root, "model.safetensors")) else {}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise Fail(f"{index}: no readable weight_map ({e})")
     out: dict[str, list] = {}
@@ -340,7 +342,7 @@ def tensor_ranges(root: str, names: list[str]) -> dict[str, list]:
     for name in names:
         rel = weight_map.get(name)
         if rel is None:
-            raise Fail(f"{index} has no tensor {name!r}")
+            continue
         if rel not in headers:
             try:
                 with open(os.path.join(root, rel), "rb") as f:
@@ -351,7 +353,7 @@ def tensor_ranges(root: str, names: list[str]) -> dict[str, list]:
         start, hdr = headers[rel]
         meta = hdr.get(name)
         if not isinstance(meta, dict) or "data_offsets" not in meta:
-            raise Fail(f"{os.path.join(root, rel)}: its header has no tensor {name!r} (the index says it does)")
+            continue
         lo, hi = meta["data_offsets"]
         out[name] = [rel, start + int(lo), start + int(hi)]
     return out

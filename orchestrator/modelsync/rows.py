@@ -41,6 +41,16 @@ def tensor_names(dep: "Deployment") -> list[str]:
     return [name for layer in spec.geometry.layers for _, name, _, _ in spec.fields(layer)]
 
 
+def unlocated(dep: "Deployment", tensors: dict[str, list]) -> str:
+    """Why the workers get whole files after all: the head's checkpoint does not hold every Engram
+    tensor the recipe names ("" when it does). stage-engram refuses such a checkpoint, naming the file."""
+    missing = [n for n in tensor_names(dep) if n not in tensors]
+    if not missing:
+        return ""
+    return (f"the head's checkpoint has no {', '.join(repr(n) for n in missing[:2])}"
+            f"{f' (+{len(missing) - 2} more)' if len(missing) > 2 else ''}: every file is sent whole")
+
+
 def keep_spans(spec: Spec, tensors: dict[str, list], sizes: dict[str, int]) -> dict[str, Spans]:
     """Per file holding Engram tensors, the byte ranges SPEC's rank keeps: all of [0, size) but the
     other ranks' rows of each Engram tensor. TENSORS: name -> [file, start, end) from the head's
