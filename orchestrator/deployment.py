@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 from .apikey import ApiKey, load_api_key
 from .errors import InputError
 from .hardware import KINDS
-from .inventory import Cluster, Host, load_inventory
+from .colocation import refuse
+from .inventory import Cluster, Host, InventoryRef, load_inventory
 from .recipe import LoadedRecipe, Recipe, load_recipe, resolve_path
 from .secrets import register_named
 
@@ -80,6 +81,11 @@ class Deployment:
         """The snapshot folder's name: the resolved commit, else model.revision as written."""
         return self.checkpoint.commit if self.checkpoint and self.checkpoint.commit else self.recipe.model.revision
 
+    @property
+    def supervisor_port(self) -> int | None:
+        """The port the head's supervisor listens on; None: not supervised (launch/supervision.py)."""
+        return self.recipe.supervise.port if self.recipe.supervise.enabled and self.cluster.supervise else None
+
     def engram_dir(self, host: Host) -> str:
         assert self.recipe.engram is not None
         return str(PurePosixPath(host.nvme_dir) / self.recipe.engram.subdir)
@@ -91,6 +97,17 @@ class Deployment:
 
 def load_deployment(inventory: str | Path | None, recipe: str | None = None,
                     sets: tuple[str, ...] = ()) -> Deployment:
+    """One deployment of the inventory (--recipe and --set apply to it). When the inventory holds several
+    (all.vars.deployments), the others are loaded too and what cannot work together with this one is
+    refused here, before any host is touched (colocation.py)."""
+    dep = _load(inventory, recipe, sets)
+    if dep.cluster.peers:
+        refuse(dep, [_load(InventoryRef.of(dep.cluster.file, n), key=False) for n in dep.cluster.peers])
+    return dep
+
+
+def _load(inventory: str | Path | None, recipe: str | None = None, sets: tuple[str, ...] = (),
+          key: bool = True) -> Deployment:
     cluster = load_inventory(inventory)
     ref = recipe or cluster.recipe
     if not ref:
@@ -104,7 +121,7 @@ def load_deployment(inventory: str | Path | None, recipe: str | None = None,
     # wherever they turn up in text (secrets.py); argvs and mappings mask them by name anyway.
     register_named(loaded.recipe.engine.env)
     register_named(loaded.recipe.engine.args)
-    return Deployment(cluster, loaded, load_api_key(cluster))
+    return Deployment(cluster, loaded, load_api_key(cluster) if key else None)
 
 
 def _inventory_recipe(cluster: Cluster, ref: str) -> str:

@@ -77,7 +77,28 @@ CLUSTER_KEYS = {
                     "otherwise: the head sends to each worker over SSH)",
     "hf_token_file": "file on the controller holding a Hub token for gated or private repos (relative: to "
                      "this inventory); default: the HF_TOKEN environment variable, if set",
+    "deployments": "several deployments on these hosts: {NAME: {hosts: [...], recipe, head, api_port, "
+                   "recipe_overrides, ...}}; each deployment's keys overlay all.vars, its hosts list gives "
+                   "the ranks (the first is the head unless `head` says otherwise); commands take "
+                   "--deployment NAME (docs/deployments.md)",
 }
+# What one entry of all.vars.deployments may set: its hosts, and the cluster variables that belong to
+# one deployment (the rest: SSH, the fabric, the run records, are the cluster's).
+DEPLOYMENT_KEYS = ("hosts", "recipe", "head", "api_port", "api_listen", "api_allow", "metrics_allow",
+                   "recipe_overrides", "supervise", "distribution", "model_fetch", "api_key_file",
+                   "api_key_env")
+
+
+class InventoryRef(str):
+    """An inventory path that also names one of its deployments (--deployment): it is a str (the path),
+    so every command passes it on unchanged; load_inventory reads the name."""
+    deployment: str | None = None
+
+    @classmethod
+    def of(cls, path: "str | Path | None", deployment: str | None) -> "InventoryRef":
+        ref = cls(str(path) if path else os.environ.get("DEPLOYCTL_INVENTORY", str(DEFAULT_INVENTORY)))
+        ref.deployment = deployment
+        return ref
 DEFAULT_INVENTORY = INVENTORIES_DIR / "local4.yml"
 
 
@@ -146,6 +167,7 @@ class Cluster:
     firewall: str = "rules"              # rules | none (orchestrator/launch/firewall.py)
     supervise: bool = True               # orchestrator/launch/supervision.py
     distribution: str = "direct"         # direct | chain (orchestrator/chain/); load_inventory picks the default
+    peers: tuple[str, ...] = ()          # the other deployments of the same inventory (all.vars.deployments)
 
     @property
     def head_host(self) -> Host:
@@ -161,6 +183,52 @@ class Cluster:
                 return h
         raise InputError(f"no host named {name!r} (hosts: {', '.join(h.name for h in self.hosts)})",
                          file=str(self.file))
+
+
+def _one_deployment(cvars: dict, hosts_raw: dict, name: str | None, err) -> tuple[dict, dict]:
+    """all.vars.deployments -> the variables and hosts of deployment NAME, as if its inventory held
+    only it: its keys over all.vars, its hosts in its order with ranks 0..n-1."""
+    deps = cvars["deployments"]
+    key = "all.vars.deployments"
+    if not isinstance(deps, dict) or not deps:
+        raise err("expected a mapping of deployment name: {hosts: [...], recipe: ...}", key)
+    for k in ("deployment", "head", "recipe", "api_port"):
+        if k in cvars:
+            raise err(f"{k} belongs to each deployment when all.vars.deployments is set: move it under "
+                      f"{key}.<name>", f"all.vars.{k}")
+    if name is None:
+        if len(deps) > 1:
+            raise err(f"this inventory holds {len(deps)} deployments ({', '.join(map(str, deps))}): pick one "
+                      f"with --deployment NAME", key)
+        name = str(next(iter(deps)))
+    if name not in deps:
+        raise err(f"no deployment {name!r} here (deployments: {', '.join(map(str, deps))})", key)
+    d = deps[name]
+    dkey = f"{key}.{name}"
+    if not isinstance(d, dict):
+        raise err("expected a mapping (hosts, recipe, head, api_port, ...)", dkey)
+    for k in d:
+        if k not in DEPLOYMENT_KEYS:
+            raise err(f"unknown key {k!r} (a deployment sets: {', '.join(DEPLOYMENT_KEYS)})", f"{dkey}.{k}")
+    hosts = d.get("hosts")
+    if not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) for h in hosts):
+        raise err("expected a list of this inventory's host names, in rank order", f"{dkey}.hosts")
+    for h in hosts:
+        if h not in hosts_raw:
+            raise err(f"{h!r} is not a host of this inventory (hosts: {', '.join(hosts_raw)})", f"{dkey}.hosts")
+        if "rank" in hosts_raw[h][0]:
+            raise err("with all.vars.deployments a host's rank is its place in each deployment's hosts list: "
+                      "remove it here", f"all.hosts.{h}.rank")
+    if len(set(hosts)) != len(hosts):
+        raise err("a host is listed twice", f"{dkey}.hosts")
+    head = d.get("head", hosts[0])
+    if head not in hosts:
+        raise err(f"head {head!r} is not one of this deployment's hosts ({', '.join(hosts)})", f"{dkey}.head")
+    hosts = [head] + [h for h in hosts if h != head]            # the head is rank 0
+    out = {k: v for k, v in cvars.items() if k != "deployments"}
+    out.update({k: v for k, v in d.items() if k != "hosts"})
+    out["deployment"], out["head"] = name, head
+    return out, {h: ({**hosts_raw[h][0], "rank": i}, hosts_raw[h][1]) for i, h in enumerate(hosts)}
 
 
 def _collect(group: dict, path: str, inherited: dict, file: str, out: dict, group_vars: dict) -> None:
@@ -187,7 +255,21 @@ def _collect(group: dict, path: str, inherited: dict, file: str, out: dict, grou
         _collect(child or {}, f"{path}.children.{cname}", merged, file, out, group_vars)
 
 
-def load_inventory(path: str | Path | None = None) -> Cluster:
+def deployment_names(path: str | Path | None = None) -> list[str]:
+    """The deployments an inventory holds: all.vars.deployments' names, or the one it describes."""
+    p = Path(path) if path else Path(os.environ.get("DEPLOYCTL_INVENTORY", DEFAULT_INVENTORY))
+    raw = yamlfile.load(p)
+    cvars = ((raw.get("all") or {}).get("vars") or {}) if isinstance(raw.get("all"), dict) else {}
+    deps = cvars.get("deployments") if isinstance(cvars, dict) else None
+    if isinstance(deps, dict) and deps:
+        return [str(k) for k in deps]
+    return [load_inventory(p).name]
+
+
+def load_inventory(path: str | Path | None = None, deployment: str | None = None) -> Cluster:
+    """The cluster one deployment runs on. An inventory with all.vars.deployments holds several: DEPLOYMENT
+    (or the path's InventoryRef name) picks one, and its view has only its hosts, ranked by its list."""
+    deployment = deployment or getattr(path, "deployment", None)
     p = Path(path) if path else Path(os.environ.get("DEPLOYCTL_INVENTORY", DEFAULT_INVENTORY))
     raw = yamlfile.load(p)
     file = str(p)
@@ -209,6 +291,14 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
     group_vars: dict[str, dict] = {}
     _collect(raw["all"] or {}, "all", {}, file, hosts_raw, group_vars)
     cvars = group_vars.get("all", {})
+    peers: tuple[str, ...] = ()
+    if "deployments" in cvars:
+        all_deps = cvars["deployments"]
+        cvars, hosts_raw = _one_deployment(cvars, hosts_raw, deployment, err)
+        peers = tuple(str(n) for n in all_deps if str(n) != cvars["deployment"])
+    elif deployment and deployment != str(cvars.get("deployment") or p.stem):
+        raise err(f"--deployment {deployment}: this inventory describes one deployment, "
+                  f"{cvars.get('deployment') or p.stem!r} (several go under all.vars.deployments)", "all.vars")
     for k in cvars:
         if not k.startswith("ansible_") and k not in CLUSTER_KEYS and k not in HOST_KEYS:
             raise err(f"unknown variable {k!r} (cluster variables: {', '.join(CLUSTER_KEYS)}; "
@@ -326,6 +416,7 @@ def load_inventory(path: str | Path | None = None) -> Cluster:
         firewall=firewall,
         supervise=supervise,
         distribution=distribution,
+        peers=peers,
     )
 
 

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from ..errors import DeployctlError
 from ..executors.ssh_pool import shared_connections
+from ..inventory import InventoryRef
 from ..secrets import mask_data, mask_text
 
 
@@ -26,10 +27,20 @@ STDERR = MaskingConsole(stderr=True, highlight=False, soft_wrap=True)   # long p
 
 
 def inventory_option(f: Callable) -> Callable:
+    """-i INVENTORY and -d DEPLOYMENT (one of the inventory's all.vars.deployments): the command gets one
+    `inventory` value, an InventoryRef carrying the name when one is given."""
+    @functools.wraps(f)
+    def with_deployment(*args: Any, deployment_name: str | None = None, **kwargs: Any) -> Any:
+        if deployment_name:
+            kwargs["inventory"] = InventoryRef.of(kwargs.get("inventory"), deployment_name)
+        return f(*args, **kwargs)
+    g = click.option("--deployment", "-d", "deployment_name", envvar="DEPLOYCTL_DEPLOYMENT", show_envvar=True,
+                     default=None, help="Which of the inventory's deployments (all.vars.deployments); "
+                                        "needed when it holds several.")(with_deployment)
     return click.option("--inventory", "-i", "inventory", type=click.Path(dir_okay=False),
                         envvar="DEPLOYCTL_INVENTORY", show_envvar=True,
                         help="Ansible YAML inventory (default: inventories/local4.yml, the local "
-                             "test cluster).")(f)
+                             "test cluster).")(g)
 
 
 def recipe_options(f: Callable) -> Callable:

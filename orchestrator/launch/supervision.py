@@ -64,7 +64,7 @@ READ_SH = ('[ -d "$1" ] || exit 4; python3 -c \'import json,os,sys; d=sys.argv[1
 
 
 def enabled(dep: "Deployment") -> bool:
-    return dep.recipe.supervise.enabled and dep.cluster.supervise
+    return dep.supervisor_port is not None
 
 
 def container_name(dep: "Deployment") -> str:
@@ -78,7 +78,7 @@ def state_dir(dep: "Deployment", host: "Host") -> str:
 def head_port(dep: "Deployment") -> int | None:
     """The port the head's supervisor listens on (its /metrics; the workers' reports when there are
     workers), on the head's management address; None: not supervised."""
-    return dep.recipe.supervise.port if enabled(dep) else None
+    return dep.supervisor_port
 
 
 def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
