@@ -9,7 +9,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .. import releases as rel
 from ..deployment import load_deployment
+from ..errors import DeployctlError, InputError
+from ..inventory import InventoryRef, deployment_names
 from ..secrets import mask_data
 from .common import STDERR, deployment_options, emit_json, handle_errors
 
@@ -56,8 +59,15 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify, exp
     port, process), the networks that reach each, and a concern where an internal port is reachable
     from the management network. Exit 0 when every host answered (whatever their state), 1 when a host
     or its Docker engine could not be reached, a table failed --verify, or a host's sockets could not be read.
+    On an inventory with several deployments and no --deployment: one row per deployment (model, hosts,
+    current release, containers running, API health, supervisor), then each one's table.
     """
     from ..launch.lifecycle import cluster_status
+    if not getattr(inventory, "deployment", None) and len(names := deployment_names(inventory)) > 1:
+        if recipe or sets or verify or exposure:
+            raise InputError("--recipe, --set, --verify and --exposure act on one deployment: add "
+                             "--deployment NAME", file=str(inventory or ""), key="all.vars.deployments")
+        sys.exit(_every_deployment(inventory, names, as_json))
     dep = load_deployment(inventory, recipe, tuple(sets))
     doc = cluster_status(dep)
     bad_tables = False
@@ -88,6 +98,42 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify, exp
             out.print(_exposure_table(doc["exposure"]))
     unread = any("error" in v for v in doc.get("exposure", {}).values())
     sys.exit(0 if all(r.get("reachable") for r in doc["hosts"]) and not bad_tables and not unread else 1)
+
+
+def _every_deployment(inventory, names: list[str], as_json: bool) -> int:
+    """`status` on an inventory with several deployments: one row each (recipe, model, hosts, current
+    release, containers running, API health, supervisor), then each deployment's own table."""
+    from ..launch.lifecycle import cluster_status
+    from .release_cmd import _read
+    docs = []
+    for name in names:
+        dep = load_deployment(InventoryRef.of(inventory, name))
+        doc = cluster_status(dep)
+        try:
+            cur = rel.current(_read(dep))
+            doc["release"] = cur.number if cur else None
+        except DeployctlError as e:
+            doc["release"], doc["release_error"] = None, str(e)
+        doc["model"] = dep.recipe.engine.served_name or dep.recipe.model.repo
+        docs.append(mask_data(doc))
+    if as_json:
+        emit_json({"deployments": docs})
+    else:
+        out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+        t = Table(title=f"{len(docs)} deployments", title_justify="left")
+        for col in ("deployment", "model", "hosts", "release", "containers", "API", "supervisor"):
+            t.add_column(col)
+        for d in docs:
+            hosts = d["hosts"]
+            running = sum(1 for h in hosts for c in h.get("containers", []) if c["status"] == "running")
+            api = "[green]healthy[/green]" if d["api"]["healthy"] else "[red]not answering[/red]"
+            t.add_row(escape(d["deployment"]), escape(str(d["model"])), escape(", ".join(h["host"] for h in hosts)),
+                      str(d["release"] if d["release"] is not None else "-"), f"{running}/{len(hosts)} running",
+                      f"{api} {escape(d['api']['url'])}", escape(str((d.get("supervisor") or {}).get("state", "off"))))
+        out.print(t)
+        for d in docs:
+            out.print(_status_table(d))
+    return 0 if all(h.get("reachable") for d in docs for h in d["hosts"]) else 1
 
 
 def _print_supervisor(out: Console, sup: dict[str, Any], hosts: list[dict[str, Any]]) -> None:
