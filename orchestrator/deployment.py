@@ -96,12 +96,13 @@ class Deployment:
 
 
 def load_deployment(inventory: str | Path | None, recipe: str | None = None,
-                    sets: tuple[str, ...] = ()) -> Deployment:
+                    sets: tuple[str, ...] = (), together: bool = True) -> Deployment:
     """One deployment of the inventory (--recipe and --set apply to it). When the inventory holds several
     (all.vars.deployments), the others are loaded too and what cannot work together with this one is
-    refused here, before any host is touched (colocation.py)."""
+    refused here, before any host is touched (colocation.py); TOGETHER=False for the commands that only
+    read or stop (status, logs, down, incidents, history): they must work whatever the others say."""
     dep = _load(inventory, recipe, sets)
-    if dep.cluster.peers:
+    if dep.cluster.peers and together:
         refuse(dep, [_load(InventoryRef.of(dep.cluster.file, n), key=False) for n in dep.cluster.peers])
     return dep
 

@@ -149,6 +149,37 @@ def test_the_cli_takes_deployment(tmp_path):
     p = subprocess.run([sys.executable, "-m", "orchestrator", "plan", "-i", str(inv), "-d", "small", "--json"],
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert p.returncode == 0, p.stderr
-    p = subprocess.run([sys.executable, "-m", "orchestrator", "plan", "-i", str(inv)],
+    p = subprocess.run([sys.executable, "-m", "orchestrator", "health", "-i", str(inv)],
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert p.returncode == 2 and "pick one with --deployment NAME" in p.stderr, p.stderr
+
+
+def _dctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_plan_without_deployment_plans_every_one(tmp_path):
+    import json
+    inv = _write(tmp_path, THREE)
+    p = _dctl("plan", "-i", str(inv), "--json")
+    assert p.returncode == 0, p.stderr
+    plans = json.loads(p.stdout)["deployments"]
+    assert [d["deployment"] for d in plans] == ["big", "small", "double"]
+    p = _dctl("plan", "-i", str(inv), "--check")
+    assert p.returncode == 2 and "act on one deployment: add --deployment NAME" in p.stderr, p.stderr
+
+
+def test_down_all_asks_first_and_down_works_beside_a_clash(tmp_path):
+    inv = _write(tmp_path, THREE)
+    p = _dctl("down", "-i", str(inv), "--all")                  # no terminal to ask on: refused, nothing done
+    assert p.returncode == 2 and "confirm with --yes" in p.stderr, p.stderr
+    p = _dctl("down", "-i", str(inv), "--all", "--dry-run")
+    assert p.returncode == 0 and all(f"label deployctl.supervisor={n}" in p.stdout for n in THREE), p.stdout
+    # deployments that clash are refused by plan and up, never by down: it must stop what runs
+    deps = {"a": {"hosts": ["node1"], "recipe": "vllm-cpu", "api_port": 18010},
+            "b": {"hosts": ["node1"], "recipe": "vllm-cpu", "api_port": 18010}}
+    clash = _write(tmp_path, deps, hosts=_hosts(1))
+    assert _dctl("plan", "-i", str(clash), "-d", "a").returncode == 2
+    p = _dctl("down", "-i", str(clash), "-d", "a", "--dry-run")
+    assert p.returncode == 0 and "down on 1 host(s)" in p.stdout, p.stdout + p.stderr

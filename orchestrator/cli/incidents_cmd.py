@@ -28,7 +28,7 @@ def incidents_command(inventory, recipe, sets, as_json, verbose, quiet, incident
     """
     from ..executors.shells import HostShell
     from ..launch import supervision
-    dep = load_deployment(inventory, recipe, tuple(sets))
+    dep = load_deployment(inventory, recipe, tuple(sets), together=False)
     sh = HostShell(dep.cluster, dep.cluster.head_host)
     try:
         found = supervision.read(dep, sh)

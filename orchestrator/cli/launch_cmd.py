@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import shlex
+import sys
 
 import click
 from rich.console import Console
 from rich.markup import escape
 
 from ..deployment import load_deployment
+from ..errors import InputError
+from ..inventory import InventoryRef, deployment_names
 from ..runoptions import RunOptions
 from ..secrets import mask_argv
 from ..stages import build_plan
@@ -71,18 +74,45 @@ def health_command(inventory, recipe, sets, as_json, verbose, quiet):
 @click.command("down")
 @deployment_options
 @dry_run_option
+@click.option("--all", "every", is_flag=True,
+              help="Every deployment of the inventory, one after the other (asks first; --yes to not ask).")
+@click.option("--yes", is_flag=True, help="With --all: do not ask for confirmation.")
 @handle_errors
-def down_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run):
+def down_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run, every, yes):
     """Stop and remove this deployment's containers on every host, and verify they are gone; then
     remove the deployment's firewall chain (orchestrator/launch/firewall.py) there.
 
     A host is reported clear only after listing it again shows no container of the deployment;
     a host where one remains, or that cannot be reached, fails (exit 1) by name. Holds the
-    deployment's lock on the head.
+    deployment's lock on the head. --all: every deployment of the inventory (all.vars.deployments),
+    after a confirmation (--yes in scripts); the exit code is the worst of them.
     """
+    if every:
+        if getattr(inventory, "deployment", None) or recipe or sets:
+            raise InputError("--all acts on every deployment of the inventory: drop --deployment, --recipe "
+                             "and --set", file=str(inventory or ""), key="all.vars.deployments")
+        names = deployment_names(inventory)
+        if not (yes or dry_run):
+            if not sys.stdin.isatty():
+                raise InputError(f"down --all stops {len(names)} deployment(s) ({', '.join(names)}): confirm "
+                                 f"with --yes", file=str(inventory or ""), key="all.vars.deployments")
+            click.confirm(f"stop and remove {len(names)} deployment(s): {', '.join(names)}?", abort=True)
+        codes = []
+        for name in names:
+            try:
+                _down(InventoryRef.of(inventory, name), (), as_json, verbose, quiet, dry_run)
+                codes.append(0)
+            except SystemExit as e:
+                codes.append(int(e.code or 0))
+        sys.exit(max(codes, default=0))
+    _down(inventory, tuple(sets), as_json, verbose, quiet, dry_run, recipe)
+
+
+def _down(inventory, sets: tuple[str, ...], as_json: bool, verbose: int, quiet: bool, dry_run: bool,
+          recipe: str | None = None) -> None:
     from ..launch.firewall import chain_name
     from ..launch.lifecycle import down_host, down_preview, remove_supervisors
-    dep = load_deployment(inventory, recipe, tuple(sets))
+    dep = load_deployment(inventory, recipe, tuple(sets), together=False)
     if dry_run:
         out = Console(highlight=False, soft_wrap=True)
         out.print(f"[bold]{escape(dep.name)}[/bold]: down on {len(dep.cluster.hosts)} host(s)")

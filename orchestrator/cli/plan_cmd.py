@@ -10,6 +10,8 @@ from pathlib import Path
 import click
 
 from ..deployment import load_deployment
+from ..errors import InputError
+from ..inventory import InventoryRef, deployment_names
 from ..stages import build_plan
 from .common import STDERR, deployment_options, emit_json, handle_errors
 from .plan_text import print_plan
@@ -29,7 +31,14 @@ def plan_command(inventory, recipe, sets, as_json, verbose, quiet, only, skip, c
 
     Pure: reads the inventory and recipe, contacts no host (unless --check).
     Exit 2 when the recipe cannot fit (the message names the node, the shortfall and the fix).
+    On an inventory with several deployments and no --deployment: every deployment's plan, after
+    checking they can run together (GPUs, ports, summed memory, staging folders; docs/deployments.md).
     """
+    if not getattr(inventory, "deployment", None) and len(names := deployment_names(inventory)) > 1:
+        if recipe or sets or check:
+            raise InputError("--recipe, --set and --check act on one deployment: add --deployment NAME",
+                             file=str(inventory or ""), key="all.vars.deployments")
+        sys.exit(_every_deployment(inventory, names, as_json, verbose, tuple(only), tuple(skip)))
     dep = load_deployment(inventory, recipe, tuple(sets))
     plan = build_plan(dep, tuple(only), tuple(skip), require_fit=False)
     sizing = plan.extra["sizing"]
@@ -64,6 +73,23 @@ def plan_command(inventory, recipe, sets, as_json, verbose, quiet, only, skip, c
             STDERR.print(f"preflight: {outcome.status} (run record {outcome.run_dir})", markup=False,
                          highlight=False)
         sys.exit(outcome.exit_code)
+
+
+def _every_deployment(inventory, names: list[str], as_json: bool, verbose: int, only: tuple[str, ...],
+                      skip: tuple[str, ...]) -> int:
+    plans = [build_plan(load_deployment(InventoryRef.of(inventory, n)), only, skip, require_fit=False)
+             for n in names]
+    if as_json:
+        emit_json({"deployments": [p.to_json() for p in plans]})
+    else:
+        for p in plans:
+            print_plan(p, verbose=verbose)
+    bad = [(n, p.extra["sizing"]) for n, p in zip(names, plans) if not p.extra["sizing"]["fits"]]
+    for n, sizing in bad:
+        from ..sizing import refusal
+        STDERR.print(f"error: deployment {n} does not fit:\n{refusal(sizing['problems'])}", markup=False,
+                     highlight=False, soft_wrap=True)
+    return 2 if bad else 0
 
 
 def _preflight(dep, as_json: bool, verbose: int, quiet: bool):

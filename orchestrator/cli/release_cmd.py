@@ -51,7 +51,7 @@ def history_command(inventory, as_json, verbose, quiet):
     `releases.keep` (recipe, default 3) keep their image pinned on every node; `deployctl rollback`
     brings one back. Read-only.
     """
-    dep = load_deployment(inventory)
+    dep = load_deployment(inventory, together=False)
     doc = _history_doc(dep, _read(dep))
     if as_json:
         emit_json(doc)

@@ -68,7 +68,7 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify, exp
             raise InputError("--recipe, --set, --verify and --exposure act on one deployment: add "
                              "--deployment NAME", file=str(inventory or ""), key="all.vars.deployments")
         sys.exit(_every_deployment(inventory, names, as_json))
-    dep = load_deployment(inventory, recipe, tuple(sets))
+    dep = load_deployment(inventory, recipe, tuple(sets), together=False)
     doc = cluster_status(dep)
     bad_tables = False
     if verify:
@@ -107,7 +107,7 @@ def _every_deployment(inventory, names: list[str], as_json: bool) -> int:
     from .release_cmd import _read
     docs = []
     for name in names:
-        dep = load_deployment(InventoryRef.of(inventory, name))
+        dep = load_deployment(InventoryRef.of(inventory, name), together=False)
         doc = cluster_status(dep)
         try:
             cur = rel.current(_read(dep))
@@ -228,7 +228,7 @@ def logs_command(inventory, recipe, sets, as_json, verbose, quiet, hosts, tail, 
     host could not be reached or has no container of the deployment.
     """
     from ..launch.lifecycle import follow_logs, tail_logs
-    dep = load_deployment(inventory, recipe, tuple(sets))
+    dep = load_deployment(inventory, recipe, tuple(sets), together=False)
     names = [dep.cluster.host(h).name for h in hosts] or [h.name for h in dep.cluster.hosts]
     out = Console(highlight=False, soft_wrap=True)
     if follow:
