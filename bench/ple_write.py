@@ -31,7 +31,6 @@ import ctypes.util
 import json
 import mmap
 import os
-import random
 import shutil
 import statistics
 import subprocess

@@ -12,13 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+from tests.test_launch_units import _free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_router_overhead_measures_both_ways(tmp_path):

@@ -4,7 +4,6 @@ hands SGLang through its --config file is the api_key the released server argume
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import pytest
 
