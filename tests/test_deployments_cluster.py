@@ -61,8 +61,10 @@ def test_two_deployments_side_by_side(cluster, double_image, tmp_path):
             d = docs[name]
             assert d["api"]["healthy"] and d["model"] == served and d["api"]["url"].endswith(f":{port}"), d
             assert [h["host"] for h in d["hosts"]] == [host]
+            assert d["in_flight"] == {"running": 0, "waiting": 0}, d        # the engine's own gauges
         p = dctl("status", "-i", str(inv))
         assert p.returncode == 0 and "2 deployments" in p.stdout and "qwen-b" in p.stdout, out(p)
+        assert "0 running, 0 waiting" in p.stdout, out(p)
         # down of one: the other keeps serving, its container untouched
         (kept,) = containers(cluster, "node3", "mqa")
         p = dctl("down", "-i", str(inv), "-d", "mqb")

@@ -229,6 +229,42 @@ def test_api_checks_against_a_local_engine_double(tmp_path):
     assert not down.ok and "connection refused" in down.detail
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_requests_in_flight_from_the_engines_own_metrics(tmp_path, engine):
+    """`status` on several deployments shows what each engine counts as running and waiting: vLLM's
+    vllm:num_requests_running/_waiting, SGLang's sglang:num_running_reqs/num_queue_reqs (the double
+    writes them as the released engines do)."""
+    import httpx
+    port = _free_port()
+    env = {**os.environ, "DOUBLE_LOAD_S": "0", "DOUBLE_TTFT_MS": "5", "DOUBLE_TOKENS_PER_S": "20"}
+    argv = (["vllm", "serve", "/m", "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port)]
+            if engine == "vllm" else
+            ["sglang", "--model-path", "/m", "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port)])
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(DOUBLE), *argv], stdout=log, stderr=log, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with api.http_client() as client:
+            deadline = time.monotonic() + 20
+            while api.in_flight(client, base) is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert api.in_flight(client, base) == {"running": 0, "waiting": 0}
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}
+            t = threading.Thread(target=lambda: httpx.post(base + "/v1/chat/completions", json=body, timeout=30))
+            t.start()
+            seen = None
+            while time.monotonic() < deadline + 10 and (seen or {}).get("running") != 1:
+                seen = api.in_flight(client, base)
+                time.sleep(0.05)
+            assert seen == {"running": 1, "waiting": 0}, seen
+            t.join(30)
+    finally:
+        proc.kill()
+        proc.wait()
+    with api.http_client() as client:
+        assert api.in_flight(client, base, timeout=2) is None          # nothing answers: unknown, not 0
+
+
 # -- boot 10: start order and the memory gate (orchestrator/launch/launcher.py) ----------------------
 
 class _GateShell:

@@ -102,7 +102,9 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify, exp
 
 def _every_deployment(inventory, names: list[str], as_json: bool) -> int:
     """`status` on an inventory with several deployments: one row each (recipe, model, hosts, current
-    release, containers running, API health, supervisor), then each deployment's own table."""
+    release, containers running, API health, requests in flight as the engine counts them, supervisor),
+    then each deployment's own table."""
+    from ..launch import api
     from ..launch.lifecycle import cluster_status
     from .release_cmd import _read
     docs = []
@@ -115,13 +117,16 @@ def _every_deployment(inventory, names: list[str], as_json: bool) -> int:
         except DeployctlError as e:
             doc["release"], doc["release_error"] = None, str(e)
         doc["model"] = dep.recipe.engine.served_name or dep.recipe.model.repo
+        if doc["api"]["healthy"]:
+            with api.http_client(dep.api_key) as client:
+                doc["in_flight"] = api.in_flight(client, dep.api_url)
         docs.append(mask_data(doc))
     if as_json:
         emit_json({"deployments": docs})
     else:
         out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
         t = Table(title=f"{len(docs)} deployments", title_justify="left")
-        for col in ("deployment", "model", "hosts", "release", "containers", "API", "supervisor"):
+        for col in ("deployment", "model", "hosts", "release", "containers", "API", "in flight", "supervisor"):
             t.add_column(col)
         for d in docs:
             hosts = d["hosts"]
@@ -129,11 +134,19 @@ def _every_deployment(inventory, names: list[str], as_json: bool) -> int:
             api = "[green]healthy[/green]" if d["api"]["healthy"] else "[red]not answering[/red]"
             t.add_row(escape(d["deployment"]), escape(str(d["model"])), escape(", ".join(h["host"] for h in hosts)),
                       str(d["release"] if d["release"] is not None else "-"), f"{running}/{len(hosts)} running",
-                      f"{api} {escape(d['api']['url'])}", escape(str((d.get("supervisor") or {}).get("state", "off"))))
+                      f"{api} {escape(d['api']['url'])}", _in_flight_text(d.get("in_flight")),
+                      escape(str((d.get("supervisor") or {}).get("state", "off"))))
         out.print(t)
         for d in docs:
             out.print(_status_table(d))
     return 0 if all(h.get("reachable") for d in docs for h in d["hosts"]) else 1
+
+
+def _in_flight_text(n: dict | None) -> str:
+    """The engine's own count of requests generating and waiting (its /metrics), or "-"."""
+    if not n:
+        return "-"
+    return f"{n.get('running', 0)} running, {n.get('waiting', 0)} waiting"
 
 
 def _print_supervisor(out: Console, sup: dict[str, Any], hosts: list[dict[str, Any]]) -> None:
