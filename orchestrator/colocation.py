@@ -16,7 +16,6 @@ from typing import Any
 
 from . import sizing
 from .errors import InputError
-from .inventory import deployment_names
 
 Deployment = Any      # orchestrator.deployment.Deployment, which imports this module (no import back)
 
@@ -121,8 +120,8 @@ def _names(d: dict) -> str:
 
 def refuse(dep: Deployment, peers: list[Deployment]) -> None:
     """InputError (exit 2) naming every clash between DEP and the inventory's other deployments."""
-    from_file = {n: i for i, n in enumerate(deployment_names(dep.cluster.file))}     # the inventory's order
-    every = sorted([dep, *peers], key=lambda d: from_file.get(d.name, 0))
+    order = dep.cluster.deployments                                                   # the inventory's order
+    every = sorted([dep, *peers], key=lambda d: order.index(d.name) if d.name in order else 0)
     found = [c for c in clashes(every) if dep.name in c.deployments]
     if found:
         raise InputError("deployments that cannot run together:\n  " + "\n  ".join(c.message for c in found),

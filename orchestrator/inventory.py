@@ -167,7 +167,7 @@ class Cluster:
     firewall: str = "rules"              # rules | none (orchestrator/launch/firewall.py)
     supervise: bool = True               # orchestrator/launch/supervision.py
     distribution: str = "direct"         # direct | chain (orchestrator/chain/); load_inventory picks the default
-    peers: tuple[str, ...] = ()          # the other deployments of the same inventory (all.vars.deployments)
+    deployments: tuple[str, ...] = ()    # every deployment of the inventory, in its order (all.vars.deployments)
 
     @property
     def head_host(self) -> Host:
@@ -176,6 +176,11 @@ class Cluster:
     @property
     def workers(self) -> tuple[Host, ...]:
         return tuple(h for h in self.hosts if h.name != self.head)
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """The inventory's other deployments."""
+        return tuple(n for n in self.deployments if n != self.name)
 
     def host(self, name: str) -> Host:
         for h in self.hosts:
@@ -291,11 +296,11 @@ def load_inventory(path: str | Path | None = None, deployment: str | None = None
     group_vars: dict[str, dict] = {}
     _collect(raw["all"] or {}, "all", {}, file, hosts_raw, group_vars)
     cvars = group_vars.get("all", {})
-    peers: tuple[str, ...] = ()
+    deployments: tuple[str, ...] = ()
     if "deployments" in cvars:
-        all_deps = cvars["deployments"]
-        cvars, hosts_raw = _one_deployment(cvars, hosts_raw, deployment, err)
-        peers = tuple(str(n) for n in all_deps if str(n) != cvars["deployment"])
+        listed = cvars["deployments"]
+        cvars, hosts_raw = _one_deployment(cvars, hosts_raw, deployment, err)    # checks it is a mapping
+        deployments = tuple(str(n) for n in listed)
     elif deployment and deployment != str(cvars.get("deployment") or p.stem):
         raise err(f"--deployment {deployment}: this inventory describes one deployment, "
                   f"{cvars.get('deployment') or p.stem!r} (several go under all.vars.deployments)", "all.vars")
@@ -416,7 +421,7 @@ def load_inventory(path: str | Path | None = None, deployment: str | None = None
         firewall=firewall,
         supervise=supervise,
         distribution=distribution,
-        peers=peers,
+        deployments=deployments,
     )
 
 

@@ -167,7 +167,7 @@ def test_plan_without_deployment_plans_every_one(tmp_path):
     plans = json.loads(p.stdout)["deployments"]
     assert [d["deployment"] for d in plans] == ["big", "small", "double"]
     p = _dctl("plan", "-i", str(inv), "--check")
-    assert p.returncode == 2 and "act on one deployment: add --deployment NAME" in p.stderr, p.stderr
+    assert p.returncode == 2 and "--check acts on one deployment: add --deployment NAME" in p.stderr, p.stderr
 
 
 def test_down_all_asks_first_and_down_works_beside_a_clash(tmp_path):

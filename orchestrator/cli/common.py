@@ -11,7 +11,8 @@ from rich.console import Console
 
 from ..errors import DeployctlError
 from ..executors.ssh_pool import shared_connections
-from ..inventory import InventoryRef
+from ..errors import InputError
+from ..inventory import InventoryRef, deployment_names
 from ..secrets import mask_data, mask_text
 
 
@@ -49,6 +50,20 @@ def recipe_options(f: Callable) -> Callable:
     f = click.option("--recipe", "-r", default=None,
                      help="Recipe name in recipes/ or a path (default: the one the inventory names).")(f)
     return f
+
+
+def every_deployment(inventory: Any, **one_only: Any) -> list[str] | None:
+    """The inventory's deployments when the command names none and it holds several (the command then
+    acts on each), else None. ONE_ONLY: the options given that act on one deployment (name=value):
+    with several and no --deployment, any of them set is refused, naming them."""
+    if getattr(inventory, "deployment", None) or len(names := deployment_names(inventory)) < 2:
+        return None
+    given = [f"--{k.replace('_', '-')}" for k, v in one_only.items() if v]
+    if given:
+        raise InputError(f"{', '.join(given)} {'act' if len(given) > 1 else 'acts'} on one deployment: add "
+                         f"--deployment NAME",
+                         file=str(inventory or ""), key="all.vars.deployments")
+    return names
 
 
 def output_options(f: Callable) -> Callable:

@@ -10,10 +10,9 @@ from pathlib import Path
 import click
 
 from ..deployment import load_deployment
-from ..errors import InputError
-from ..inventory import InventoryRef, deployment_names
+from ..inventory import InventoryRef
 from ..stages import build_plan
-from .common import STDERR, deployment_options, emit_json, handle_errors
+from .common import STDERR, deployment_options, emit_json, every_deployment, handle_errors
 from .plan_text import print_plan
 
 
@@ -34,10 +33,7 @@ def plan_command(inventory, recipe, sets, as_json, verbose, quiet, only, skip, c
     On an inventory with several deployments and no --deployment: every deployment's plan, after
     checking they can run together (GPUs, ports, summed memory, staging folders; docs/deployments.md).
     """
-    if not getattr(inventory, "deployment", None) and len(names := deployment_names(inventory)) > 1:
-        if recipe or sets or check:
-            raise InputError("--recipe, --set and --check act on one deployment: add --deployment NAME",
-                             file=str(inventory or ""), key="all.vars.deployments")
+    if names := every_deployment(inventory, recipe=recipe, set=sets, check=check):
         sys.exit(_every_deployment(inventory, names, as_json, verbose, tuple(only), tuple(skip)))
     dep = load_deployment(inventory, recipe, tuple(sets))
     plan = build_plan(dep, tuple(only), tuple(skip), require_fit=False)

@@ -11,10 +11,10 @@ from rich.table import Table
 
 from .. import releases as rel
 from ..deployment import load_deployment
-from ..errors import DeployctlError, InputError
-from ..inventory import InventoryRef, deployment_names
+from ..errors import DeployctlError
+from ..inventory import InventoryRef
 from ..secrets import mask_data
-from .common import STDERR, deployment_options, emit_json, handle_errors
+from .common import STDERR, deployment_options, emit_json, every_deployment, handle_errors
 
 def _status_table(doc: dict[str, Any]) -> Table:
     from ..launch.containers import fmt_duration
@@ -63,10 +63,7 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify, exp
     current release, containers running, API health, supervisor), then each one's table.
     """
     from ..launch.lifecycle import cluster_status
-    if not getattr(inventory, "deployment", None) and len(names := deployment_names(inventory)) > 1:
-        if recipe or sets or verify or exposure:
-            raise InputError("--recipe, --set, --verify and --exposure act on one deployment: add "
-                             "--deployment NAME", file=str(inventory or ""), key="all.vars.deployments")
+    if names := every_deployment(inventory, recipe=recipe, set=sets, verify=verify, exposure=exposure):
         sys.exit(_every_deployment(inventory, names, as_json))
     dep = load_deployment(inventory, recipe, tuple(sets), together=False)
     doc = cluster_status(dep)

@@ -179,10 +179,11 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
         hub_mismatch(dep, m)
         got["m"] = m
         got["tensors"] = doc.get("tensors") or {}
-        got["whole"] = rows.unlocated(dep, got["tensors"]) if rows.applies(dep) else "not asked"
-        if rows.applies(dep) and got["whole"]:
-            log.write(f"Engram rows per rank: {got['whole']}")
-            ctx.say(f"  sync-model: {got['whole']}")
+        whole = rows.unlocated(dep, got["tensors"]) if rows.applies(dep) else ""
+        if whole:
+            log.write(f"Engram rows per rank: {whole}")
+            ctx.say(f"  sync-model: {whole}")
+        got["in_part"] = rows.applies(dep) and not whole
         return head_result(head.name, m, distribution="chain")
 
     def run(wants: dict) -> dict[str, Delivery]:
@@ -198,7 +199,7 @@ def apply(dep: "Deployment", actions: "list[Action]", ctx: "RunContext") -> list
         joined = False
         try:
             keep = (rows.keep_spans(spec_for(dep.recipe, w.rank), got["tensors"], {p: n for p, n, _ in m.files})
-                    if not got["whole"] else {})
+                    if got["in_part"] else {})
             v = verify(dep, w, job.check, m, st, log, partial=keep)
             if v.complete:
                 r = exact_result(w.name, m, v, t0)
