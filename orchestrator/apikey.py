@@ -56,22 +56,28 @@ class ApiKey:
 
 def load_api_key(cluster: "Cluster", environ: "dict[str, str] | None" = None) -> ApiKey | None:
     """The key the inventory points at (None: the API is open). Bad input names the inventory key."""
+    return load_key(cluster.api_key_file, cluster.api_key_env, str(cluster.file), "all.vars", environ)
+
+
+def load_key(key_file: str | None, key_env: str | None, file: str, where: str,
+             environ: "dict[str, str] | None" = None) -> ApiKey | None:
+    """A key from KEY_FILE or the environment variable KEY_ENV (None: neither set); errors name
+    WHERE.api_key_file / WHERE.api_key_env in the inventory FILE."""
     env = os.environ if environ is None else environ
-    file = str(cluster.file)
-    if cluster.api_key_file:
-        path = Path(cluster.api_key_file)
+    if key_file:
+        path = Path(key_file)
         try:
             value = path.read_text().strip()
         except OSError as e:
             raise InputError(f"cannot read the API key file {path}: {e.strerror or e}", file=file,
-                             key="all.vars.api_key_file") from None
-        source, key = f"file {path}", "all.vars.api_key_file"
-    elif cluster.api_key_env:
-        value = env.get(cluster.api_key_env, "").strip()
+                             key=f"{where}.api_key_file") from None
+        source, key = f"file {path}", f"{where}.api_key_file"
+    elif key_env:
+        value = env.get(key_env, "").strip()
         if not value:
-            raise InputError(f"the environment variable {cluster.api_key_env} (the API key) is not set or empty",
-                             file=file, key="all.vars.api_key_env")
-        source, key = f"environment variable {cluster.api_key_env}", "all.vars.api_key_env"
+            raise InputError(f"the environment variable {key_env} (the API key) is not set or empty",
+                             file=file, key=f"{where}.api_key_env")
+        source, key = f"environment variable {key_env}", f"{where}.api_key_env"
     else:
         return None
     if len(value) < MIN_LENGTH or any(c.isspace() or not c.isprintable() for c in value):

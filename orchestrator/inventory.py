@@ -12,13 +12,16 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import checks, yamlfile
 from .errors import InputError
 from .hardware import KINDS
 from .overrides import Override
 from .paths import INVENTORIES_DIR
+
+if TYPE_CHECKING:
+    from .router.config import RouterConf
 
 HOST_KEYS = {
     "rank": "this host's rank (0 = head), an integer",
@@ -81,6 +84,8 @@ CLUSTER_KEYS = {
                    "recipe_overrides, ...}}; each deployment's keys overlay all.vars, its hosts list gives "
                    "the ranks (the first is the head unless `head` says otherwise); commands take "
                    "--deployment NAME (docs/deployments.md)",
+    "router": "one OpenAI endpoint in front of every deployment, routed by the request's model: {host, port, "
+              "api_key_file, ...} (docs/router.md)",
 }
 # What one entry of all.vars.deployments may set: its hosts, and the cluster variables that belong to
 # one deployment (the rest: SSH, the fabric, the run records, are the cluster's).
@@ -168,6 +173,7 @@ class Cluster:
     supervise: bool = True               # orchestrator/launch/supervision.py
     distribution: str = "direct"         # direct | chain (orchestrator/chain/); load_inventory picks the default
     deployments: tuple[str, ...] = ()    # every deployment of the inventory, in its order (all.vars.deployments)
+    router: "RouterConf | None" = None   # all.vars.router (orchestrator/router/)
 
     @property
     def head_host(self) -> Host:
@@ -297,6 +303,7 @@ def load_inventory(path: str | Path | None = None, deployment: str | None = None
     _collect(raw["all"] or {}, "all", {}, file, hosts_raw, group_vars)
     cvars = group_vars.get("all", {})
     deployments: tuple[str, ...] = ()
+    all_hosts_raw = hosts_raw
     if "deployments" in cvars:
         listed = cvars["deployments"]
         cvars, hosts_raw = _one_deployment(cvars, hosts_raw, deployment, err)    # checks it is a mapping
@@ -398,6 +405,9 @@ def load_inventory(path: str | Path | None = None, deployment: str | None = None
     if distribution not in DISTRIBUTIONS:
         raise err(f"expected one of {', '.join(DISTRIBUTIONS)}, got {distribution!r}", "all.vars.distribution")
     _check_links(hosts, topology, err)
+    router = None
+    if cvars.get("router") not in (None, False):
+        router = _router(cvars["router"], all_hosts_raw, raw, str(head), file, p, err)
     return Cluster(
         name=deployment,
         file=p,
@@ -418,6 +428,7 @@ def load_inventory(path: str | Path | None = None, deployment: str | None = None
         api_listen=api_listen,
         api_allow=api_allow,
         metrics_allow=metrics_allow,
+        router=router,
         firewall=firewall,
         supervise=supervise,
         distribution=distribution,
@@ -491,6 +502,29 @@ def _check_links(hosts: list[Host], topology: str, err) -> None:
             if back.network != link.network:
                 raise err(f"the cable {h.name}-{peer.name} has two subnets: {link.address} is in "
                           f"{link.network}, {back.address} in {back.network}; both ends need one subnet", key)
+
+
+def _router(raw_conf: Any, hosts_raw: dict, raw: Any, head: str, file: str, p: Path, err) -> "RouterConf":
+    """all.vars.router; its host is any host of the inventory (by default the first deployment's head)."""
+    from .router.config import parse
+    cvars = raw["all"].get("vars") or {}
+    deps = cvars.get("deployments")
+    default = head
+    if isinstance(deps, dict) and deps:
+        first = next(iter(deps.values())) or {}
+        default = str(first.get("head") or (first.get("hosts") or [head])[0])
+
+    def host_of(name: str) -> Host:
+        if name not in hosts_raw:
+            raise err(f"{name!r} is not a host of this inventory (hosts: {', '.join(hosts_raw)})",
+                      "all.vars.router.host")
+        hv, key = hosts_raw[name]
+        return _host(name, {**hv, "rank": hv.get("rank", 0)}, key, file, raw.lines)
+
+    def resolve(path: str) -> str:
+        f = Path(_expand(path) or "")
+        return str(f if f.is_absolute() else p.parent / f)
+    return parse(raw_conf, default, host_of, err, resolve)
 
 
 def _host(name: str, hv: dict, key: str, file: str, lines: dict[str, int]) -> Host:

@@ -108,6 +108,23 @@ def down_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run, ever
     _down(inventory, tuple(sets), as_json, verbose, quiet, dry_run, recipe)
 
 
+def _leave_router(dep, quiet: bool) -> None:
+    """DEP out of the router before its engines stop. A router host that cannot be reached does not
+    keep the engines running: said on stderr, and down goes on (the router's keeper drops an engine
+    that no longer answers /health within a few seconds anyway)."""
+    from ..executors.shells import HostShell
+    from ..router.control import leave
+    sh = HostShell(dep.cluster, dep.cluster.router.host)
+    try:
+        msg = leave(dep, sh)
+        if not quiet:
+            Console(stderr=True, highlight=False).print(f"router: {escape(msg)}")
+    except Exception as e:  # noqa: BLE001 - said, never blocking down
+        Console(stderr=True, highlight=False).print(f"[yellow]router: {escape(str(e))}[/yellow]")
+    finally:
+        sh.close()
+
+
 def _down(inventory, sets: tuple[str, ...], as_json: bool, verbose: int, quiet: bool, dry_run: bool,
           recipe: str | None = None) -> None:
     from ..launch.firewall import chain_name
@@ -124,7 +141,12 @@ def _down(inventory, sets: tuple[str, ...], as_json: bool, verbose: int, quiet: 
                       f"(iptables, ip6tables), if there")
         out.print(f"  before all of that, on every host: remove the supervisor's container "
                   f"(label deployctl.supervisor={escape(dep.name)}), so nothing restarts what down stops")
+        if dep.cluster.router:
+            out.print(f"  first of all: take {escape(dep.name)} out of the router at {dep.cluster.router.url} "
+                      f"({dep.cluster.router.host.name}); the router stops with the last deployment behind it")
         return
+    if dep.cluster.router:           # first: no client is routed to an engine being stopped
+        _leave_router(dep, quiet)
     remove_supervisors(dep)          # first, without the lock: a supervisor restarting the group holds it
     run_host_command(command="down", dep=dep, fn=lambda action, log: down_host(dep, action.host, log),
                      summary=f"stop and remove the containers of {dep.name}",

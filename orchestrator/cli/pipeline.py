@@ -69,7 +69,8 @@ RECORDS = frozenset({"up", "launch", "rollback"})    # commands whose healthy la
 # What brings a release back: its checkpoint commit (fetched again if the head lost it, synced where a
 # node lacks it), its image (only missing layers shipped), the tables staged from that checkpoint
 # (each stage skips what is current), then launch and health.
-ROLLBACK_STAGES = ("ship", "fetch-model", "sync-model", "stage-engram", "write-ple", "launch", "health", "supervise")
+ROLLBACK_STAGES = ("ship", "fetch-model", "sync-model", "stage-engram", "write-ple", "launch", "health", "supervise",
+                   "route")
 
 
 def cannot_bring_back(target: Release) -> str:

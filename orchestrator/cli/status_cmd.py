@@ -74,6 +74,8 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify, exp
     if exposure:
         from ..launch.exposure import collect
         doc["exposure"] = collect(dep)
+    if dep.cluster.router:
+        doc["router"] = _router_status(dep)
     doc = mask_data(doc)     # the table too: container errors and table reasons are hosts' text
     if as_json:
         emit_json(doc)
@@ -93,6 +95,8 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify, exp
                 out.print(f"{host} {stage}: {mark}: {escape(str(r.get('reason')))}")
         if exposure:
             out.print(_exposure_table(doc["exposure"]))
+        if doc.get("router"):
+            _print_router(out, doc["router"])
     unread = any("error" in v for v in doc.get("exposure", {}).values())
     sys.exit(0 if all(r.get("reachable") for r in doc["hosts"]) and not bad_tables and not unread else 1)
 
@@ -118,8 +122,9 @@ def _every_deployment(inventory, names: list[str], as_json: bool) -> int:
             with api.http_client(dep.api_key) as client:
                 doc["in_flight"] = api.in_flight(client, dep.api_url)
         docs.append(mask_data(doc))
+    router = _router_status(dep) if docs else None
     if as_json:
-        emit_json({"deployments": docs})
+        emit_json({"deployments": docs, **({"router": router} if router else {})})
     else:
         out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
         t = Table(title=f"{len(docs)} deployments", title_justify="left")
@@ -134,9 +139,48 @@ def _every_deployment(inventory, names: list[str], as_json: bool) -> int:
                       f"{api} {escape(d['api']['url'])}", _in_flight_text(d.get("in_flight")),
                       escape(str((d.get("supervisor") or {}).get("state", "off"))))
         out.print(t)
+        if router:
+            _print_router(out, router)
         for d in docs:
             out.print(_status_table(d))
-    return 0 if all(h.get("reachable") for d in docs for h in d["hosts"]) else 1
+    router_ok = router is None or "error" not in router
+    return 0 if all(h.get("reachable") for d in docs for h in d["hosts"]) and router_ok else 1
+
+
+def _router_status(dep) -> dict[str, Any] | None:
+    """The inventory's router (all.vars.router): its container, health, models and release; None: none."""
+    from ..executors.shells import HostShell
+    from ..router import control
+    conf = dep.cluster.router
+    if conf is None:
+        return None
+    sh = HostShell(dep.cluster, conf.host)
+    try:
+        return mask_data(control.read(conf, sh))
+    except DeployctlError as e:
+        return {"host": conf.host.name, "url": conf.url, "error": str(e)}
+    finally:
+        sh.close()
+
+
+def _print_router(out: Console, r: dict[str, Any]) -> None:
+    if "error" in r:
+        out.print(f"router {escape(r['url'])} on {escape(r['host'])}: [red]not read[/red]: {escape(r['error'])}")
+        return
+    c, h = r.get("container"), r.get("health") or {}
+    if not c:
+        out.print(f"router {escape(r['url'])} on {escape(r['host'])}: [yellow]not running[/yellow] (no container)")
+        return
+    verdict = "[green]healthy[/green]" if h.get("healthy") else f"[red]not answering[/red] ({escape(str(h.get('/health')))})"
+    rel_ = r.get("release") or {}
+    out.print(f"router {escape(r['url'])} on {escape(r['host'])}: {verdict}, container {c['id']} {c['state']}, "
+              f"release {rel_.get('n', '-')} ({escape(str(rel_.get('image', '')))}); models listed: "
+              f"{escape(', '.join(h.get('models') or []) or 'none')}")
+    for row in (r.get("registry") or {}).get("deployments") or []:
+        mark = "[green]routed[/green]" if row.get("registered") else (
+            "[red]not routed: its /health does not answer[/red]" if not row.get("healthy") else "[yellow]being registered[/yellow]")
+        out.print(f"  {escape(str(row.get('deployment')))}: model {escape(str(row.get('model')))} -> "
+                  f"{escape(str(row.get('url')))}: {mark}")
 
 
 def _in_flight_text(n: dict | None) -> str:

@@ -13,6 +13,7 @@ OPS = {
     "engram-stage": "orchestrator.hostside.engram_stage",
     "ple-write": "orchestrator.hostside.ple_write",
     "supervise": "orchestrator.hostside.supervisor",
+    "router": "orchestrator.hostside.router_keeper",
 }
 
 

@@ -14,13 +14,13 @@ from ..plan import Plan, StagePlan
 from ..runoptions import RunOptions
 from ..sizing import plan_extra
 from ..sizing import require_fit as check_fit
-from . import (build, fabric, fetch_model, health, launch, preflight, ship, stage_engram, supervise, sync_model,
-               write_ple)
+from . import (build, fabric, fetch_model, health, launch, preflight, route, ship, stage_engram, supervise,
+               sync_model, write_ple)
 from .base import Stage
 
 STAGES: tuple[Stage, ...] = (
     preflight.STAGE, fabric.STAGE, build.STAGE, ship.STAGE, fetch_model.STAGE, sync_model.STAGE, stage_engram.STAGE,
-    write_ple.STAGE, launch.STAGE, health.STAGE, supervise.STAGE,
+    write_ple.STAGE, launch.STAGE, health.STAGE, supervise.STAGE, route.STAGE,
 )
 NAMES = tuple(s.name for s in STAGES)
 

@@ -1,0 +1,226 @@
+"""In the router's container: start the SGLang router, and keep its registry equal to the deployments
+that are healthy. Standard library only (it runs from the host-side zipapp, in the router image's
+python, which also holds sglang_router).
+
+    python3 deployctl-tables-*.pyz router launch /state/config.json   # the container's command
+    python3 deployctl-tables-*.pyz router keep /state/config.json     # started by launch, beside it
+    python3 deployctl-tables-*.pyz router wait /state/config.json S   # `docker exec` by deployctl
+
+Why a keeper beside the router (docs/router.md): sglang-router 0.3.2 in IGW mode (the mode that routes
+by the request's `model`) learns its workers only through its admin API, `POST /workers {"url",
+"model_id", "api_key"}`, keeps them in memory only (a restarted router starts empty), and lists a
+worker's model in /v1/models until the worker is deleted, healthy or not. So every
+`check_interval_s` the keeper reads the deployments deployctl wrote under /state/workers/ (one file
+each: deployment, model, url, api_key), asks each engine's /health, and deletes from the router what
+is not wanted or not healthy and posts what is wanted, healthy and missing. /v1/models then lists the
+healthy deployments, a router restart re-registers them, and a deployment's up or down touches only
+its own entry: the other workers' requests never see a change.
+
+Its client key is read from /state/api_key and handed to the router in this process
+(`launch_router(parse_router_args(argv))`, sglang_router/launch_router.py), so it is in no container
+argument, environment variable or process title; the admin key (/state/admin_key, made by deployctl
+per install) is the keeper's only credential (`--control-plane-api-keys id:name:admin:KEY`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+WORKERS = "workers"                  # /state/workers/<deployment>.json, written by deployctl
+REGISTRY = "registry.json"           # what the keeper last saw and did, for `status` and `wait`
+PROBE_TIMEOUT_S = 3.0
+ADMIN_ID = "deployctl"
+
+
+def router_argv(cfg: dict, client_key: str | None, admin_key: str) -> list[str]:
+    """The router's arguments (sglang_router/router_args.py RouterArgs.add_cli_args): IGW mode, one
+    worker per model so round_robin (cache_aware would keep a prefix tree for nothing), the health
+    checks every 2 s and out after 2 failures (its defaults, 60 s x 3, keep a dead worker ~3 min)."""
+    argv = ["--host", cfg["listen"], "--port", str(cfg["port"]), "--enable-igw", "--policy", "round_robin",
+            "--control-plane-api-keys", f"{ADMIN_ID}:{ADMIN_ID}:admin:{admin_key}",
+            "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
+            "--health-success-threshold", "1", "--health-check-endpoint", "/health",
+            "--prometheus-host", cfg["listen"], "--prometheus-port", str(cfg["metrics_port"]),
+            "--log-level", "info"]
+    if client_key:
+        argv += ["--api-key", client_key]
+    return argv
+
+
+def fingerprint(w: dict) -> str:
+    """What a registration carries: a changed model name or engine key is registered again."""
+    return hashlib.sha256(f"{w['model']}\0{w['url']}\0{w.get('api_key') or ''}".encode()).hexdigest()[:16]
+
+
+def changes(want: list[dict], healthy: dict[str, bool], registered: list[dict],
+            posted: dict[str, str]) -> tuple[list[str], list[dict]]:
+    """(worker ids to delete, entries to post). Pure. A registered worker stays when it is wanted,
+    healthy and registered as wanted (its model; its key, when this keeper posted it). One URL is one
+    worker to the router (a second POST of a URL is accepted and ignored), so a URL being deleted is
+    posted again on a later tick, once the router no longer lists it."""
+    wanted = {w["url"]: w for w in want if healthy.get(w["url"])}
+    dels = []
+    for r in registered:
+        w = wanted.get(r.get("url"))
+        if w is None or r.get("model_id") != w["model"] or posted.get(r["url"], fingerprint(w)) != fingerprint(w):
+            dels.append(r["id"])
+    listed = {r.get("url") for r in registered}
+    return dels, [w for u, w in wanted.items() if u not in listed]
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def desired(state: str) -> list[dict]:
+    d = os.path.join(state, WORKERS)
+    out = []
+    for n in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if n.endswith(".json"):
+            try:
+                with open(os.path.join(d, n)) as f:
+                    out.append(json.load(f))
+            except (OSError, ValueError):
+                continue          # being replaced: the next tick reads it
+    return out
+
+
+def want_digest(want: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(sorted(fingerprint(w) for w in want)).encode()).hexdigest()[:16]
+
+
+def _http(method: str, url: str, key: str | None, body: dict | None = None,
+          timeout: float = PROBE_TIMEOUT_S) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (OSError, ValueError):
+        return 0, b""
+
+
+def _router_url(cfg: dict) -> str:
+    a = "127.0.0.1" if cfg["listen"] in ("0.0.0.0", "::") else cfg["listen"]
+    return f"http://{'[' + a + ']' if ':' in a else a}:{cfg['port']}"
+
+
+def tick(cfg: dict, state: str, admin: str, posted: dict[str, str]) -> dict:
+    """One round: the registry made to match, and what was seen (written to registry.json)."""
+    want = desired(state)
+    healthy = {w["url"]: _http("GET", w["url"] + "/health", w.get("api_key"))[0] == 200 for w in want}
+    base = _router_url(cfg)
+    code, raw = _http("GET", base + "/workers", admin)
+    if code != 200:
+        return {"at": time.time(), "router": f"GET /workers: {code or 'no answer'}", "digest": None}
+    registered = json.loads(raw).get("workers") or []
+    dels, posts = changes(want, healthy, registered, posted)
+    for wid in dels:
+        _http("DELETE", f"{base}/workers/{wid}", admin)
+    for w in posts:
+        c, _ = _http("POST", base + "/workers", admin, {"url": w["url"], "model_id": w["model"],
+                                                        **({"api_key": w["api_key"]} if w.get("api_key") else {})})
+        if c in (200, 201, 202):
+            posted[w["url"]] = fingerprint(w)
+    code, raw = _http("GET", base + "/workers", admin)
+    now = (json.loads(raw).get("workers") or []) if code == 200 else registered
+    by_url = {r.get("url"): r for r in now}
+    rows = [{"deployment": w.get("deployment"), "model": w["model"], "url": w["url"], "healthy": healthy[w["url"]],
+             "registered": w["url"] in by_url and by_url[w["url"]].get("model_id") == w["model"]} for w in want]
+    wanted_urls = {w["url"] for w in want}
+    return {"at": time.time(), "router": "ok", "digest": want_digest(want), "deployments": rows,
+            "strangers": sorted(u for u in by_url if u not in wanted_urls)}
+
+
+def settled(doc: dict, want: list[dict]) -> bool:
+    """The registry holds exactly the wanted, healthy deployments (as of the files now)."""
+    if doc.get("digest") != want_digest(want) or doc.get("strangers"):
+        return False
+    return all(r["registered"] == r["healthy"] for r in doc.get("deployments") or [])
+
+
+def _write(path: str, doc: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+
+
+def keep(cfg_path: str) -> int:
+    cfg, state = _load(cfg_path)
+    admin = _read(os.path.join(state, "admin_key")) or ""
+    posted: dict[str, str] = {}
+    while True:
+        try:
+            doc = tick(cfg, state, admin, posted)
+            _write(os.path.join(state, REGISTRY), doc)
+        except Exception as e:  # noqa: BLE001 - the keeper outlives one bad round
+            print(f"router keeper: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        time.sleep(float(cfg.get("interval_s", 2.0)))
+
+
+def wait(cfg_path: str, timeout_s: float) -> int:
+    """Until the keeper has made the registry match the workers files as they are now (exit 0), or
+    TIMEOUT_S (exit 1); prints registry.json either way."""
+    cfg, state = _load(cfg_path)
+    deadline = time.monotonic() + timeout_s
+    doc: dict = {}
+    while True:
+        want = desired(state)
+        try:
+            with open(os.path.join(state, REGISTRY)) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            doc = {}
+        # a round that began after the files were last written
+        fresh = doc.get("at", 0) > max([os.stat(os.path.join(state, WORKERS)).st_mtime]
+                                       if os.path.isdir(os.path.join(state, WORKERS)) else [0])
+        if fresh and settled(doc, want):
+            print(json.dumps(doc))
+            return 0
+        if time.monotonic() > deadline:
+            print(json.dumps({**doc, "settled": False}))
+            return 1
+        time.sleep(0.3)
+
+
+def launch(cfg_path: str) -> int:
+    cfg, state = _load(cfg_path)
+    client = _read(os.path.join(state, "api_key"))
+    admin = _read(os.path.join(state, "admin_key"))
+    if not admin:
+        print(f"router: no admin key in {state}/admin_key", file=sys.stderr)
+        return 2
+    subprocess.Popen([sys.executable, sys.argv[0], "router", "keep", cfg_path])
+    from sglang_router.launch_router import launch_router, parse_router_args   # the router image's package
+    launch_router(parse_router_args(router_argv(cfg, client, admin)))
+    return 0
+
+
+def _load(cfg_path: str) -> tuple[dict, str]:
+    with open(cfg_path) as f:
+        return json.load(f), os.path.dirname(os.path.abspath(cfg_path))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "launch":
+        return launch(argv[1])
+    if len(argv) >= 2 and argv[0] == "keep":
+        return keep(argv[1])
+    if len(argv) >= 3 and argv[0] == "wait":
+        return wait(argv[1], float(argv[2]))
+    print("usage: router {launch,keep} CONFIG | router wait CONFIG SECONDS", file=sys.stderr)
+    return 2

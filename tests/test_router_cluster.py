@@ -1,0 +1,168 @@
+"""One endpoint in front of two deployments on the 4-host test cluster (docs/router.md), the engine
+double behind the real SGLang router (sglang-router 0.3.2 in its image, dockerfiles/chains/router.yml):
+`up` of each registers it, the router routes by `model` (streaming too), lists exactly the healthy
+deployments, refuses an unknown model and a missing key; the keys are in no argv or `docker inspect`;
+a deployment whose engine dies leaves /v1/models; `status` shows the router; `down` of the last
+deployment stops it. The real vLLM behind it, with a load while one deployment is replaced:
+tests/test_real_vllm.py."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.deployment import load_deployment
+from orchestrator.inventory import InventoryRef
+from tests import synth
+from tests.test_launch import FAST, QWEN, QWEN_SMALL, _docker, containers, dctl, double_image, out, remove_all  # noqa: F401
+
+pytestmark = pytest.mark.cluster
+DEPS = {"rqa": ("node3", 18031, "qwen-a"), "rqb": ("node4", 18032, "qwen-b")}
+ROUTER_PORT, ROUTER_METRICS = 18039, 18038
+ROUTER_KEY = "sk-router-test-key-0123456789"
+ENGINE_KEY = "sk-engine-a-key-9876543210"
+
+
+def _inventory(cluster, d: Path) -> Path:
+    doc = yaml.safe_load(cluster.inventory_path.read_text())
+    v = doc["all"]["vars"]
+    for k in ("deployment", "recipe", "head", "api_port", "recipe_overrides"):
+        v.pop(k, None)
+    for h in doc["all"]["hosts"].values():
+        h.pop("rank", None)
+    (d / "router.key").write_text(ROUTER_KEY + "\n")
+    (d / "engine-a.key").write_text(ENGINE_KEY + "\n")
+    v.update(expect_gpus=False, run_dir=str(d / "runs"),
+             router={"host": "node3", "port": ROUTER_PORT, "metrics_port": ROUTER_METRICS,
+                     "api_key_file": "router.key", "check_interval_s": 1},
+             deployments={name: {"hosts": [host], "recipe": QWEN, "api_port": port, "supervise": False,
+                                 "recipe_overrides": {**FAST, **QWEN_SMALL, "engine.served_name": served},
+                                 **({"api_key_file": "engine-a.key"} if name == "rqa" else {})}
+                          for name, (host, port, served) in DEPS.items()})
+    path = d / "routed.yml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def call(url: str, path: str, body: dict | None = None, key: str | None = ROUTER_KEY,
+         timeout: float = 30) -> tuple[int, bytes]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode() if body is not None else None,
+                                 method="POST" if body is not None else "GET",
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError as e:                  # not listening (a router restarting)
+        return 0, str(e).encode()
+
+
+def models(url: str) -> list[str]:
+    code, raw = call(url, "/v1/models", key=None)
+    return sorted(m["id"] for m in json.loads(raw)["data"]) if code == 200 else [f"HTTP {code}"]
+
+
+def until(fn, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = fn()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout}s")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def router_image(cluster, tmp_path_factory):
+    from tests.router_image import preload
+    return preload(cluster, "node3", tmp_path_factory.mktemp("router-image"))
+
+
+def test_two_deployments_behind_one_router(cluster, double_image, router_image, tmp_path):
+    inv = _inventory(cluster, tmp_path)
+    for name in DEPS:
+        dep = load_deployment(InventoryRef.of(inv, name))
+        synth.write_checkpoint(Path(dep.checkpoint_dir(dep.cluster.head_host)),
+                               [t for t in synth.recipe_tensors(dep.recipe) if ".ple." in t.name], files=2,
+                               config=synth.recipe_config(dep.recipe))
+    url = f"http://{cluster.host('node3').address}:{ROUTER_PORT}"
+    node3 = cluster.host("node3").docker_host
+    try:
+        p = dctl("plan", "-i", str(inv), "-d", "rqa", "--only", "route")
+        assert p.returncode == 0 and f"registered once its /health answers" in p.stdout, out(p)
+        for name in DEPS:
+            p = dctl("up", "-i", str(inv), "-d", name, "--only", "write-ple", "--only", "launch", "--only",
+                     "health", "--only", "route", timeout=300)
+            assert p.returncode == 0, out(p)
+            assert f"served at {url}" in p.stdout + p.stderr, out(p)
+        assert models(url) == ["qwen-a", "qwen-b"]
+        # each model reaches its own deployment (the answer names the model the engine serves)
+        for served in ("qwen-a", "qwen-b"):
+            code, raw = call(url, "/v1/chat/completions", {"model": served, "max_tokens": 4,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+            assert code == 200 and json.loads(raw)["model"] == served, raw
+        # streaming: the engine's SSE events, relayed, ending with [DONE]
+        code, raw = call(url, "/v1/chat/completions", {"model": "qwen-b", "max_tokens": 6, "stream": True,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+        events = [ln for ln in raw.decode().splitlines() if ln.startswith("data: ")]
+        assert code == 200 and events[-1] == "data: [DONE]" and len(events) >= 3, raw
+        # the router's errors: a model not deployed, no key, a wrong key
+        code, raw = call(url, "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+        assert code == 503 and b"no_available_workers" in raw, (code, raw)
+        for key in (None, "sk-wrong-key-000000"):
+            code, _ = call(url, "/v1/chat/completions", {"model": "qwen-a", "messages": [{"role": "user", "content": "x"}]},
+                           key=key)
+            assert code == 401, (key, code)
+        # no key in the container's definition (argv, environment) nor in its processes' argv
+        inspect = _docker(node3, "inspect", "deployctl-router").stdout
+        assert ROUTER_KEY not in inspect and ENGINE_KEY not in inspect and "api_key" not in json.loads(inspect)[0]["Args"]
+        ps = _docker(node3, "exec", "deployctl-router", "sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '").stdout
+        assert "sglang::router" in ps and "router keep" in ps, ps          # the router (its title), the keeper
+        assert ROUTER_KEY not in ps and ENGINE_KEY not in ps
+        # status: the router's row, both deployments routed
+        p = dctl("status", "-i", str(inv), "--json")
+        assert p.returncode == 0, out(p)
+        r = json.loads(p.stdout)["router"]
+        assert r["health"]["healthy"] and sorted(r["health"]["models"]) == ["qwen-a", "qwen-b"], r
+        assert r["release"]["n"] == 1 and r["container"]["state"] == "running", r
+        assert {x["deployment"]: x["registered"] for x in r["registry"]["deployments"]} == {"rqa": True, "rqb": True}
+        # a second up of rqa changes nothing at the router (same container, same release)
+        cid = r["container"]["id"]
+        p = dctl("up", "-i", str(inv), "-d", "rqa", "--only", "health", "--only", "route", timeout=300)
+        assert p.returncode == 0, out(p)
+        p = dctl("status", "-i", str(inv), "-d", "rqa", "--json")
+        r = json.loads(p.stdout)["router"]
+        assert r["container"]["id"] == cid and r["release"]["n"] == 1, r
+        # an engine that dies leaves /v1/models (the keeper's /health round), and comes back with it
+        (eng,) = containers(cluster, "node4", "rqb")
+        _docker(cluster.host("node4").docker_host, "stop", "-t", "1", eng)
+        until(lambda: models(url) == ["qwen-a"], 20, "a dead engine's model leaves /v1/models")
+        _docker(cluster.host("node4").docker_host, "start", eng)
+        until(lambda: models(url) == ["qwen-a", "qwen-b"], 60, "a restarted engine's model comes back")
+        # a router restarted (its registry is in memory only) gets both back from its keeper
+        _docker(node3, "restart", "-t", "2", "deployctl-router")
+        until(lambda: call(url, "/health", key=None)[0] == 200 and models(url) == ["qwen-a", "qwen-b"], 60,
+              "a restarted router lists both again")
+        # down of one: out of the router first, the other still routed; down of the last stops the router
+        p = dctl("down", "-i", str(inv), "-d", "rqb")
+        assert p.returncode == 0 and "removed from the router" in p.stderr, out(p)
+        assert models(url) == ["qwen-a"]
+        code, raw = call(url, "/v1/chat/completions", {"model": "qwen-a", "max_tokens": 2,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+        assert code == 200, raw
+        p = dctl("down", "-i", str(inv), "-d", "rqa")
+        assert p.returncode == 0 and "router stopped and removed" in p.stderr, out(p)
+        assert _docker(node3, "ps", "-aq", "--filter", "name=^deployctl-router$").stdout.strip() == ""
+    finally:
+        for name in DEPS:
+            dctl("down", "-i", str(inv), "-d", name)
+            remove_all(cluster, name)
+        _docker(node3, "rm", "-f", "deployctl-router")
