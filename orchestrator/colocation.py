@@ -113,6 +113,19 @@ def _memory(h: str, ds: list[Deployment]) -> list[Clash]:
     return out
 
 
+def router_clashes(dep: Deployment) -> list[Clash]:
+    """The inventory's router (all.vars.router) listening on a port DEP's head listens on."""
+    r = dep.cluster.router
+    if r is None:
+        return []
+    mine = ports(dep).get(r.host.name, {})
+    return [Clash(r.host.name, "port", (dep.name, "router"),
+                  f"{r.host.name}: port {port} is {mine[port]} of deployment {dep.name} and the router's {role} "
+                  f"(all.vars.router.{key}): give one another port")
+            for port, role, key in ((r.port, "API", "port"), (r.metrics_port, "metrics", "metrics_port"))
+            if port in mine]
+
+
 def _names(d: dict) -> str:
     names = list(d)
     return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
@@ -122,7 +135,7 @@ def refuse(dep: Deployment, peers: list[Deployment]) -> None:
     """InputError (exit 2) naming every clash between DEP and the inventory's other deployments."""
     order = dep.cluster.deployments                                                   # the inventory's order
     every = sorted([dep, *peers], key=lambda d: order.index(d.name) if d.name in order else 0)
-    found = [c for c in clashes(every) if dep.name in c.deployments]
+    found = [c for c in clashes(every) if dep.name in c.deployments] + router_clashes(dep)
     if found:
         raise InputError("deployments that cannot run together:\n  " + "\n  ".join(c.message for c in found),
                          file=str(dep.cluster.file), key=f"all.vars.deployments.{dep.name}")

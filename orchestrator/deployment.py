@@ -102,7 +102,7 @@ def load_deployment(inventory: str | Path | None, recipe: str | None = None,
     refused here, before any host is touched (colocation.py); TOGETHER=False for the commands that only
     read or stop (status, logs, down, incidents, history): they must work whatever the others say."""
     dep = _load(inventory, recipe, sets)
-    if dep.cluster.peers and together:
+    if (dep.cluster.peers or dep.cluster.router) and together:
         refuse(dep, [_load(InventoryRef.of(dep.cluster.file, n), key=False) for n in dep.cluster.peers])
     return dep
 

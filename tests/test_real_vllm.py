@@ -31,6 +31,7 @@ from orchestrator import releases as rel
 from orchestrator.benchmark.loadgen import SALT_WORDS
 from orchestrator.deployment import load_deployment
 from orchestrator.launch import firewall
+from orchestrator.inventory import InventoryRef
 from tests.cluster.cluster import REAL_VLLM_REPO, inventory_data
 from tests.hub_endpoint import publish
 from tests.test_launch import IMAGE as DOUBLE_IMAGE
@@ -56,7 +57,7 @@ def leave_nothing(cluster):
     """A failed test leaves no engine or supervisor of this module running for the next tests (a
     supervisor left on node1 holds the supervisor port the next deployment's wants there)."""
     yield
-    for d in ("rv2", "rv1", "rv4", "rvs", "rvr", "dv1", "dv4"):
+    for d in ("rv2", "rv1", "rv4", "rvs", "rvr", "dv1", "dv4", "rva", "rvb", "dvq"):
         remove_all(cluster, d)
 
 
@@ -120,11 +121,11 @@ def api_at(host, port: int, path: str, body: dict | None = None, key: str | None
         return e.code, json.loads(raw) if raw.strip() else {}
 
 
-def greedy_ids(host, port: int, key: str | None = None) -> list[list[int]]:
+def greedy_ids(host, port: int, key: str | None = None, model: str = SERVED) -> list[list[int]]:
     """Temperature-0 completions of PROMPTS: the token ids the API returns (vLLM's return_token_ids)."""
     got = []
     for prompt in PROMPTS:
-        code, doc = api_at(host, port, "/v1/completions", {"model": SERVED, "prompt": prompt, "temperature": 0,
+        code, doc = api_at(host, port, "/v1/completions", {"model": model, "prompt": prompt, "temperature": 0,
                                                            "max_tokens": NEW_TOKENS, "return_token_ids": True}, key)
         assert code == 200, doc
         got.append(doc["choices"][0]["token_ids"])
@@ -664,6 +665,166 @@ def kill_a_worker_rank(cluster, inv: Path, deployment: str, victim, port: int, k
         time.sleep(0.5)
     FOUND[f"named_after_s_{deployment}"] = named_after
     return seen
+
+
+ROUTER_PORT, ROUTER_KEY = 18130, "sk-deployctl-router-test-0123456789"
+
+
+def _routed_inventory(cluster, hub, d: Path) -> Path:
+    """The README's two deployments behind one router (tests/cluster/demo.py routed_data) on this module's
+    ports, as rva (TP=2 on node1-2, tiny-llama) and rvb (TP=1 on node3, tiny-llama-b, with its own key),
+    and a third, the engine double on node4 (dvq, the Qwen recipe)."""
+    from tests.cluster.demo import routed_data
+    from tests.test_launch import FAST, QWEN, QWEN_SMALL
+    (d / "router.key").write_text(ROUTER_KEY + "\n")
+    (d / "b.key").write_text(KEY + "\n")
+    data = routed_data(cluster.name, cluster.hosts, hub["url"], str(d / "router.key"))
+    v = data["all"]["vars"]
+    a, b = v["deployments"]["a"], v["deployments"]["b"]
+    node4 = data["all"]["hosts"][cluster.hosts[3].name]
+    node4.update(hardware="dgx-spark", gpus=1)
+    for k in ("compute_cpus", "host_ram_gb"):
+        node4.pop(k, None)
+    fast = {"health.stay_up_s": 3}
+    a.update(api_port=18121, recipe_overrides={**a["recipe_overrides"], **fast, "engine.master_port": 29621})
+    b.update(api_port=18122, api_key_file="b.key",
+             recipe_overrides={**b["recipe_overrides"], **fast, "engine.master_port": 29622})
+    v["router"].update(port=ROUTER_PORT, metrics_port=ROUTER_PORT + 1, check_interval_s=1)
+    v.update(run_dir=str(d / "runs"), supervise=False, deployments={
+        "rva": a, "rvb": b,
+        "dvq": {"hosts": [cluster.hosts[3].name], "recipe": QWEN, "api_port": 18123, "model_fetch": "none",
+                "recipe_overrides": {**FAST, **QWEN_SMALL, "engine.served_name": "qwen-double"}}})
+    path = d / "routed.yml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _via(cluster, path: str, body: dict | None = None, key: str | None = ROUTER_KEY) -> tuple[int, dict]:
+    try:
+        return api_at(cluster.hosts[0], ROUTER_PORT, path, body, key)
+    except (OSError, ValueError) as e:
+        return 0, {"error": str(e)}
+
+
+def _router_ids(cluster, model: str) -> list[list[int]]:
+    got = []
+    for prompt in PROMPTS:
+        code, doc = _via(cluster, "/v1/completions", {"model": model, "prompt": prompt, "temperature": 0,
+                                                      "max_tokens": NEW_TOKENS, "return_token_ids": True})
+        assert code == 200 and doc["model"] == model, doc
+        got.append(doc["choices"][0]["token_ids"])
+    return got
+
+
+def test_three_deployments_behind_one_router(cluster, vllm_image, hub, double_image, tmp_path):
+    """#34 on the real engine: two real vLLM deployments (TP=2 on node1-2, TP=1 on node3, each its own
+    tiny model and served name) and the engine double on node4, each brought up by its own `up` behind
+    the router `up` builds and runs on node1. Through the one endpoint each request reaches its model
+    (each model's temperature-0 ids, via the router = direct; the two models differ), streaming works,
+    /v1/models lists all three; then, under a steady load on rva through the router, `down` of rvb and
+    an `up` of a changed rvb (another max-num-seqs: a new release) fail no request to rva."""
+    from tests import synth, tiny_model
+    from tests.cluster.demo import MODEL_B      # a second tiny Llama (another seed): other weights, other answers
+    src = tiny_model.write(tmp_path / "b-src", tiny_model.TinyLlama(seed=4321, served_name="tiny-llama-b"))
+    publish(hub["dir"].parents[2], MODEL_B, src)
+    inv = _routed_inventory(cluster, hub, tmp_path)
+    dq = load_deployment(InventoryRef.of(inv, "dvq"))
+    synth.write_checkpoint(Path(dq.checkpoint_dir(dq.cluster.head_host)),
+                           [t for t in synth.recipe_tensors(dq.recipe) if ".ple." in t.name], files=2,
+                           config=synth.recipe_config(dq.recipe))
+    node1, node3 = cluster.hosts[0], cluster.hosts[2]
+    # rvb's head is node3: the serving image is there when TP=4 ran before (its ship); this module's
+    # image build on a head is TP=2's and TP=1's (node1), so rvb's `up` skips the build stage
+    image_of = lambda engine: _docker(engine, "image", "inspect", "--format", "{{.Id}}", vllm_image).stdout.strip()  # noqa: E731
+    if image_of(node3.docker_host) != image_of(LOCAL):
+        cluster.load_image(node3, vllm_image)
+    extra = {"rva": (), "rvb": ("--skip", "build"),
+             # the double: its image is on node4 already (no chain build), its checkpoint written above
+             "dvq": ("--only", "write-ple", "--only", "launch", "--only", "health", "--only", "route")}
+    try:
+        for name in ("rva", "rvb", "dvq"):
+            p = up(inv, "-d", name, *extra[name])
+            assert p.returncode == 0, out(p)
+            assert "served at http://" in p.stdout + p.stderr, out(p)
+        code, doc = _via(cluster, "/v1/models", key=None)
+        assert code == 200 and sorted(m["id"] for m in doc["data"]) == ["qwen-double", "tiny-llama", "tiny-llama-b"], doc
+        # each model's own answer: through the router = straight from its deployment; the models differ
+        ids_a, ids_b = _router_ids(cluster, SERVED), _router_ids(cluster, "tiny-llama-b")
+        assert ids_a == greedy_ids(node1, 18121) and ids_b == greedy_ids(node3, 18122, KEY, "tiny-llama-b")
+        assert ids_a != ids_b
+        code, doc = _via(cluster, "/v1/chat/completions", {"model": "qwen-double", "max_tokens": 4,
+                                                            "messages": [{"role": "user", "content": "hi"}]})
+        assert code == 200 and doc["model"] == "qwen-double", doc
+        # streaming through the router: vLLM's own SSE chunks, then [DONE]
+        events = stream_events(node1, ROUTER_PORT, {"model": "tiny-llama-b", "prompt": PROMPTS[0], "max_tokens": 8,
+                                                    "temperature": 0, "stream": True}, ROUTER_KEY)
+        assert events[-1] == "[DONE]" and len(events) >= 5, events
+        # the steady load on rva while rvb goes down and comes back changed
+        with SteadyLoad(cluster, SERVED) as load:
+            p = dctl("down", "-i", str(inv), "-d", "rvb", timeout=300)
+            assert p.returncode == 0 and "removed from the router" in p.stderr, out(p)
+            code, doc = _via(cluster, "/v1/models", key=None)
+            assert sorted(m["id"] for m in doc["data"]) == ["qwen-double", "tiny-llama"], doc
+            p = up(inv, "-d", "rvb", "--skip", "build", "--set", "engine.args.max-num-seqs=4")
+            assert p.returncode == 0, out(p)
+        assert load.done >= 10 and load.failed == [], (load.done, load.failed[:3])
+        assert "--max-num-seqs" in engine_args(cluster, "rvb", cluster.hosts[2]) and \
+            engine_args(cluster, "rvb", cluster.hosts[2])[engine_args(cluster, "rvb", cluster.hosts[2]).index("--max-num-seqs") + 1] == "4"
+        assert _router_ids(cluster, "tiny-llama-b") == ids_b
+        # status: every deployment and the router, one table
+        p = dctl("status", "-i", str(inv), "--json")
+        assert p.returncode == 0, out(p)
+        st = json.loads(p.stdout)
+        assert sorted(m for m in st["router"]["health"]["models"]) == ["qwen-double", "tiny-llama", "tiny-llama-b"]
+        assert {d["deployment"]: d["api"]["healthy"] for d in st["deployments"]} == {"rva": True, "rvb": True, "dvq": True}
+        assert st["router"]["release"]["n"] == 1, st["router"]
+    finally:
+        for name in ("rvb", "dvq", "rva"):
+            dctl("down", "-i", str(inv), "-d", name, timeout=300)
+        _docker(node1.docker_host, "rm", "-f", "deployctl-router")
+    assert _docker(node1.docker_host, "ps", "-aq", "--filter", "name=^deployctl-router$").stdout.strip() == ""
+
+
+def stream_events(host, port: int, body: dict, key: str | None) -> list[str]:
+    req = urllib.request.Request(f"http://{host.address}:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return [ln[6:] for ln in r.read().decode().splitlines() if ln.startswith("data: ")]
+
+
+class SteadyLoad:
+    """Two clients sending MODEL's completions through the router until the block ends, each a quarter
+    second after its last answer (a steady load that leaves the 2 cores to the engine being replaced):
+    how many were answered, and every failure (status, body)."""
+
+    def __init__(self, cluster, model: str):
+        import threading
+        self.cluster, self.model, self.done, self.failed = cluster, model, 0, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
+        self._lock = threading.Lock()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            code, doc = _via(self.cluster, "/v1/completions", {"model": self.model, "prompt": "one two",
+                                                               "max_tokens": 4, "temperature": 0})
+            with self._lock:
+                if code == 200 and doc.get("model") == self.model:
+                    self.done += 1
+                else:
+                    self.failed.append((code, doc))
+            self._stop.wait(0.25)
+
+    def __enter__(self) -> "SteadyLoad":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=120)
 
 
 def test_rendezvous_problems_are_named_before_any_engine_starts(cluster, vllm_image, hub, tmp_path):

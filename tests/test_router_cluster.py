@@ -134,6 +134,13 @@ def test_two_deployments_behind_one_router(cluster, double_image, router_image, 
         assert r["health"]["healthy"] and sorted(r["health"]["models"]) == ["qwen-a", "qwen-b"], r
         assert r["release"]["n"] == 1 and r["container"]["state"] == "running", r
         assert {x["deployment"]: x["registered"] for x in r["registry"]["deployments"]} == {"rqa": True, "rqb": True}
+        # bench through the endpoint: the router's URL and key, rqa's model
+        p = dctl("bench", "-i", str(inv), "-d", "rqa", "--via-router", "--concurrency", "1", "--rounds", "2",
+                 "--max-tokens", "4", "--no-warmup", "--json", timeout=120)
+        assert p.returncode == 0, out(p)
+        doc = json.loads(p.stdout)
+        assert doc["config"]["url"] == url and doc["levels"][0]["errors"] == 0 and doc["levels"][0]["completed"] == 2, doc
+        assert ROUTER_KEY not in p.stdout + p.stderr
         # a second up of rqa changes nothing at the router (same container, same release)
         cid = r["container"]["id"]
         p = dctl("up", "-i", str(inv), "-d", "rqa", "--only", "health", "--only", "route", timeout=300)

