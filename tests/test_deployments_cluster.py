@@ -12,6 +12,7 @@ import yaml
 from orchestrator.deployment import load_deployment
 from orchestrator.inventory import InventoryRef
 from tests import synth
+from tests.cluster.cluster import as_several
 from tests.test_launch import FAST, QWEN, QWEN_SMALL, containers, dctl, double_image, out, remove_all  # noqa: F401
 
 pytestmark = pytest.mark.cluster
@@ -20,12 +21,8 @@ DEPS = {"mqa": ("node3", 18021, "qwen-a"), "mqb": ("node4", 18022, "qwen-b")}
 
 def _inventory(cluster, path: Path) -> Path:
     """The cluster's hosts, no ranks, two deployments of the Qwen recipe (engine double) on node3 and node4."""
-    doc = yaml.safe_load(cluster.inventory_path.read_text())
+    doc = as_several(yaml.safe_load(cluster.inventory_path.read_text()))
     v = doc["all"]["vars"]
-    for k in ("deployment", "recipe", "head", "api_port", "recipe_overrides"):
-        v.pop(k, None)
-    for h in doc["all"]["hosts"].values():
-        h.pop("rank", None)
     v.update(expect_gpus=False, run_dir=str(path.parent / "runs"), deployments={
         name: {"hosts": [host], "recipe": QWEN, "api_port": port, "supervise": False,
                "recipe_overrides": {**FAST, **QWEN_SMALL, "engine.served_name": served}}

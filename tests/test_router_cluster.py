@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from orchestrator.deployment import load_deployment
+from orchestrator.hostside import httpcall
 from orchestrator.inventory import InventoryRef
 from tests import synth
+from tests.cluster.cluster import as_several
 from tests.test_launch import FAST, QWEN, QWEN_SMALL, _docker, containers, dctl, double_image, out, remove_all  # noqa: F401
 
 pytestmark = pytest.mark.cluster
@@ -29,12 +29,8 @@ ENGINE_KEY = "sk-engine-a-key-9876543210"
 
 
 def _inventory(cluster, d: Path) -> Path:
-    doc = yaml.safe_load(cluster.inventory_path.read_text())
+    doc = as_several(yaml.safe_load(cluster.inventory_path.read_text()))
     v = doc["all"]["vars"]
-    for k in ("deployment", "recipe", "head", "api_port", "recipe_overrides"):
-        v.pop(k, None)
-    for h in doc["all"]["hosts"].values():
-        h.pop("rank", None)
     (d / "router.key").write_text(ROUTER_KEY + "\n")
     (d / "engine-a.key").write_text(ENGINE_KEY + "\n")
     v.update(expect_gpus=False, run_dir=str(d / "runs"),
@@ -51,15 +47,8 @@ def _inventory(cluster, d: Path) -> Path:
 
 def call(url: str, path: str, body: dict | None = None, key: str | None = ROUTER_KEY,
          timeout: float = 30) -> tuple[int, bytes]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode() if body is not None else None,
-                                 method="POST" if body is not None else "GET",
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {key}"} if key else {})})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        return httpcall.call(url + path, key, body, timeout)
     except OSError as e:                  # not listening (a router restarting)
         return 0, str(e).encode()
 
@@ -97,7 +86,7 @@ def test_two_deployments_behind_one_router(cluster, double_image, router_image, 
     node3 = cluster.host("node3").docker_host
     try:
         p = dctl("plan", "-i", str(inv), "-d", "rqa", "--only", "route")
-        assert p.returncode == 0 and f"registered once its /health answers" in p.stdout, out(p)
+        assert p.returncode == 0 and "registered once its /health answers" in p.stdout, out(p)
         for name in DEPS:
             p = dctl("up", "-i", str(inv), "-d", name, "--only", "write-ple", "--only", "launch", "--only",
                      "health", "--only", "route", timeout=300)

@@ -29,8 +29,8 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+
+from .httpcall import call
 
 WORKERS = "workers"                  # /state/workers/<deployment>.json, written by deployctl
 REGISTRY = "registry.json"           # what the keeper last saw and did, for `status` and `wait`
@@ -101,14 +101,9 @@ def want_digest(want: list[dict]) -> str:
 
 def _http(method: str, url: str, key: str | None, body: dict | None = None,
           timeout: float = PROBE_TIMEOUT_S) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    """(status, body); status 0 when nothing answered."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        return call(url, key, body, timeout, method)
     except (OSError, ValueError):
         return 0, b""
 

@@ -48,6 +48,7 @@ from typing import Any, Callable
 from ..fsutil import atomic_write_text
 from .command_agent import drop_lock, take_lock
 from .host_read import EngineAPI
+from .httpcall import call
 from .metrics import CONTENT_TYPE, Family, render
 
 SOCKET = "/run/deployctl/docker.sock"    # the host's Docker socket, mounted here
@@ -270,15 +271,7 @@ class Detector:
 # --------------------------------------------------------------------------------------- probes
 
 def _request(url: str, key: str | None, body: dict | None, timeout: float) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
-                                 method="POST" if body is not None else "GET",
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {key}"} if key else {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+    return call(url, key, body, timeout)
 
 
 def health(api: dict[str, Any], key: str | None) -> tuple[bool, str]:

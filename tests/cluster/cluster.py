@@ -315,6 +315,17 @@ def inventory_data(name: str, hosts: Iterable[TestHost], deployment: str | None 
     } for h in hosts}}}
 
 
+def as_several(data: dict[str, Any]) -> dict[str, Any]:
+    """An inventory_data document made ready for all.vars.deployments (docs/deployments.md): the one
+    deployment's keys and the hosts' ranks removed (each deployment's hosts list gives its ranks)."""
+    v = data["all"]["vars"]
+    for k in ("deployment", "recipe", "head", "api_port", "recipe_overrides"):
+        v.pop(k, None)
+    for h in data["all"]["hosts"].values():
+        h.pop("rank", None)
+    return data
+
+
 def demo_hub_url(hosts: Iterable[TestHost]) -> str:
     """The demo's Hub endpoint: served from the cluster's last host (start_hub)."""
     return f"http://{tuple(hosts)[-1].address}:{HUB_PORT}"

@@ -81,13 +81,9 @@ ROUTER_PORT = 30000
 def routed_data(name: str, hosts, hub: str, router_key_file: str) -> dict:
     """The --routed inventory: deployments a (TP=2, hosts 1-2) and b (TP=1, host 3, MODEL_B) of the
     vllm-cpu recipe, the router on host 1 with ROUTER_KEY_FILE as its clients' key."""
-    from .cluster import inventory_data, recipe_overrides
-    data = inventory_data(name, hosts, "unused", "vllm-cpu", hub)
+    from .cluster import as_several, inventory_data, recipe_overrides
+    data = as_several(inventory_data(name, hosts, "unused", "vllm-cpu", hub))
     v = data["all"]["vars"]
-    for k in ("deployment", "recipe", "head", "api_port", "recipe_overrides"):
-        v.pop(k, None)
-    for h in data["all"]["hosts"].values():
-        h.pop("rank", None)
     # host 3 serves TP=1 alone: twice the share of this machine's RAM each of 4 hosts is declared
     h3 = data["all"]["hosts"][hosts[2].name]
     h3["host_ram_gb"] = round(h3["host_ram_gb"] * len(hosts) / 2, 1)
@@ -122,6 +118,7 @@ def prepare_routed(name: str = "routed", n_hosts: int = 3, log: Callable[[str], 
             log(f"cluster {name}: all {n_hosts} hosts answer, kept as it is")
     st = state_dir(name)
     log("building the vllm-cpu image on this machine (cached by its step digests), for both heads")
+    (st / "build").mkdir(parents=True, exist_ok=True)
     tag, refs = build_locally(c, st / "build")
     for head in (c.hosts[0], c.hosts[2]):
         c.load_image(head, [DEBIAN_IMAGE, *refs, tag])
