@@ -16,6 +16,14 @@ is not wanted or not healthy and posts what is wanted, healthy and missing. /v1/
 healthy deployments, a router restart re-registers them, and a deployment's up or down touches only
 its own entry: the other workers' requests never see a change.
 
+Checked against the released package (PyPI sglang-router 0.3.2): the arguments against
+sglang_router/router_args.py (RouterArgs.add_cli_args; tests/test_router_units.py parses router_argv with
+its parse_router_args), the start against sglang_router/launch_router.py (launch_router,
+parse_router_args), the admin API (`POST /workers` body {url, model_id, api_key} answered 202, `GET
+/workers` -> {"workers": [{id, url, model_id, is_healthy, ...}]}, `DELETE /workers/{id}`) and the admin
+key format `id:name:role:key` against its README (sglang_router-0.3.2.dist-info/METADATA, "Worker
+management API", "Control plane authentication") and by running it (docs/router.md).
+
 Its client key is read from /state/api_key and handed to the router in this process
 (`launch_router(parse_router_args(argv))`, sglang_router/launch_router.py), so it is in no container
 argument, environment variable or process title; the admin key (/state/admin_key, made by deployctl
