@@ -46,6 +46,8 @@ class RunOptions:
     fabric_fresh: bool = False             # `deployctl fabric`: measure, never reuse a cached check
     # sync-model
     sync_model: SyncModelOptions = field(default_factory=SyncModelOptions)
+    # route
+    route_check_only: bool = False         # `deployctl health`: the route stage checks the router, changes nothing
     # build
     local: bool = False                    # --local: this machine's Docker engine
     ci: bool = False                       # --ci: job-summary table under GitHub Actions

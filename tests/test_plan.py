@@ -13,7 +13,7 @@ from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.stages import build_plan
 
 STAGE_ORDER = ["preflight", "fabric", "build", "ship", "fetch-model", "sync-model", "stage-engram", "write-ple", "launch",
-               "health", "supervise"]
+               "health", "supervise", "route"]
 CASES = [("spark4", "deepseek-v41-flash-tp4"), ("spark8", "deepseek-v41-flash-tp8-nvme"),
          ("spark8", "deepseek-v41-flash-tp8-mem"), ("spark1", "qwen38-flash-next-spark"),
          ("rtx1", "qwen38-flash-next-rtx")]

@@ -59,13 +59,17 @@ def launch_command(inventory, recipe, sets, as_json, verbose, quiet, keep_on_fai
 @deployment_options
 @handle_errors
 def health_command(inventory, recipe, sets, as_json, verbose, quiet):
-    """Check that the deployment really answers: every container up, /health, /v1/models, a chat.
+    """Check that the deployment really answers: every container up, /health, /v1/models, a chat;
+    with a router (all.vars.router), that the router answers and routes to the deployment too.
 
     Waits up to the recipe's health.startup_timeout_s, showing the head's start-up progress; an
     exited or restarted container fails naming its host, with its last log lines. Read-only.
     """
+    from ..inventory import load_inventory
+    routed = load_inventory(inventory).router is not None
     run_stages(command="health", inventory=inventory, recipe=recipe, sets=tuple(sets),
-               only=("health",), as_json=as_json, verbose=verbose, quiet=quiet)
+               only=("health", "route") if routed else ("health",), as_json=as_json, verbose=verbose,
+               quiet=quiet, options=RunOptions(route_check_only=True))
 
 
 # ---------------------------------------------------------------------------------------------------

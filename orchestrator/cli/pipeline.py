@@ -51,6 +51,8 @@ def changes_hosts(stages: tuple[str, ...], options: RunOptions) -> bool:
     changing = set(stages) - READ_ONLY
     if options.local:
         changing.discard("build")
+    if options.route_check_only:
+        changing.discard("route")
     return bool(changing)
 
 

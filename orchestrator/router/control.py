@@ -217,6 +217,28 @@ def leave(dep: "Deployment", sh: "HostShell") -> str:
     return f"{dep.name} removed from the router at {conf.url} ({left} deployment(s) still behind it)"
 
 
+def verify(dep: "Deployment", sh: "HostShell") -> str:
+    """`health`: the router runs, answers /health, lists DEP's model, and its keeper routes DEP (read-only)."""
+    conf = dep.cluster.router
+    assert conf is not None
+    model = layout.worker(dep)["model"]
+    doc = read(conf, sh)
+    c, h = doc["container"], doc["health"]
+    if not c or c["state"] != "running":
+        raise HostFailure(f"the router's container {layout.CONTAINER} on {conf.host.name} is "
+                          f"{c['state'] if c else 'not there'}: `deployctl up -d {dep.name}` starts it")
+    if not h.get("healthy"):
+        raise HostFailure(f"the router at {conf.url} does not answer /health ({h.get('/health')})")
+    if model not in (h.get("models") or []):
+        row = next((x for x in (doc.get("registry") or {}).get("deployments") or [] if x.get("deployment") == dep.name),
+                   None)
+        why = ("no workers file: `deployctl up` puts it behind the router" if row is None else
+               "its engine does not answer the router host's /health" if not row.get("healthy") else "being registered")
+        raise HostFailure(f"the router at {conf.url} does not list {model} (it lists "
+                          f"{', '.join(h.get('models') or []) or 'nothing'}): {why}")
+    return f"router at {conf.url} healthy, routes model {model} (release {(doc.get('release') or {}).get('n', '-')})"
+
+
 def read(conf: "RouterConf", sh: "HostShell") -> dict[str, Any]:
     """The router's container, registry (the keeper's last round) and last release, for status."""
     found = _container(sh)

@@ -16,6 +16,10 @@ def plan(dep, options: RunOptions):
     from ..router.control import check
     check(dep)
     w = layout.worker(dep)
+    if options.route_check_only:
+        return [Action("route", conf.host.name, "router-check",
+                       f"check the router at {conf.url}: /health answers, /v1/models lists {w['model']}, its keeper "
+                       f"routes {dep.name} to {w['url']} (read-only)", details={"router": conf.url, "model": w["model"]})], ""
     what = (f"router {layout.CONTAINER} at {conf.url} ({conf.image}, built there from dockerfiles/chains/router.yml "
             f"when missing; started unless running as configured): model {w['model']} -> {w['url']} "
             f"registered once its /health answers")
@@ -34,6 +38,8 @@ def apply(dep, actions, ctx):
     sh = HostShell(dep.cluster, conf.host)
     try:
         try:
+            if ctx.options.route_check_only:
+                return [record(ctx, log, "route", act.host, "ok", control.verify(dep, sh))]
             iid, built = control.image(dep, ctx)
             log.write(built)
             log.write(control.install(dep, sh, iid))
