@@ -21,6 +21,7 @@ D = 'deployment="a"'
 ENG = f'{{job="deployctl-engine",instance="n1:8000",{D},host="n1"}}'
 SUP = f'{{job="deployctl-supervisor",instance="n1:8790",{D},host="n1"}}'
 NODE = f'{{job="node",instance="n1:9100",{D},host="n1"}}'
+ROUTER = '{job="deployctl-router",instance="n1:29000",router="n1"}'
 GIB = 1024 ** 3
 
 # rule -> (input series, eval time, labels of the alert when it fires (besides alertname, severity))
@@ -46,6 +47,9 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, str]], list[tu
     "DeployctlSupervisorDown": (
         [(f"up{SUP}", "0x10")], "2m", [{"job": "deployctl-supervisor", "instance": "n1:8790", "deployment": "a", "host": "n1"}],
         [(f"up{SUP}", "1x10")], "2m"),
+    "DeployctlRouterDown": (
+        [(f"up{ROUTER}", "1 1 0x8")], "2m", [{"job": "deployctl-router", "instance": "n1:29000", "router": "n1"}],
+        [(f"up{ROUTER}", "1 1 0 0 1x6")], "2m"),
     "DeployctlRequestsQueued": (
         [(f'vllm:num_requests_waiting{{{D},engine="0",model_name="m"}}', "9x30"), (f"deployctl:queue_bound{{{D}}}", "8x30")],
         "6m", [{"deployment": "a"}],
@@ -175,7 +179,8 @@ def test_merge_keeps_the_operators_jobs_and_replaces_ours():
     m = promconfig.merge(existing, mine, "/x")
     assert m["global"] == {"scrape_interval": "1m"}
     assert [j["job_name"] for j in m["scrape_configs"]] == ["other", *promconfig.JOBS]
-    assert m["scrape_configs"][-1]["file_sd_configs"] == [{"files": ["/x/targets/node-*.json"]}]
+    node = next(j for j in m["scrape_configs"] if j["job_name"] == "node")
+    assert node["file_sd_configs"] == [{"files": ["/x/targets/node-*.json"]}]
     assert m["rule_files"] == ["/etc/prometheus/mine.yml", "/x/rules/*.yml"]
 
 

@@ -69,6 +69,23 @@ def until(fn, timeout: float, what: str):
         time.sleep(0.5)
 
 
+def routed_requests_scraped(inv: Path, d: Path, url: str) -> None:
+    """`deployctl monitor config` lists the router's metrics port (job deployctl-router, labelled with
+    its host); Debian's Prometheus scrapes it and reads the router's per-model request counter."""
+    from tests.prometheus_server import Prometheus
+    p = dctl("monitor", "config", "-i", str(inv), "-d", "rqa", "--out", str(d / "config"), "--scrape-interval", "1s",
+             "--evaluation-interval", "1s", "--json", timeout=120)
+    assert p.returncode == 0, out(p)
+    host = url.split("//")[1].split(":")[0]
+    with Prometheus(d / "config" / "prometheus.yml", d / "data") as prom:
+        t = prom.wait("the router's target up", lambda: [x for x in prom.targets()
+                                                          if x["labels"]["job"] == "deployctl-router" and x["health"] == "up"], 60)
+        assert t[0]["labels"]["router"] == "node3" and t[0]["scrapeUrl"] == f"http://{host}:{ROUTER_METRICS}/metrics", t
+        n = prom.wait("the router's request counter for qwen-a", lambda: prom.value(
+            'sum(smg_router_requests_total{model="qwen-a"})'), 30)
+        assert n >= 3, n                      # the chat and the bench's requests to qwen-a at least
+
+
 @pytest.fixture(scope="module")
 def router_image(cluster, tmp_path_factory):
     from tests.router_image import preload
@@ -133,6 +150,8 @@ def test_two_deployments_behind_one_router(cluster, double_image, router_image, 
         doc = json.loads(p.stdout)
         assert doc["config"]["url"] == url and doc["levels"][0]["errors"] == 0 and doc["levels"][0]["completed"] == 2, doc
         assert ROUTER_KEY not in p.stdout + p.stderr
+        # a real Prometheus reads the router's own metrics through `deployctl monitor config`
+        routed_requests_scraped(inv, tmp_path / "prometheus", url)
         # a second up of rqa changes nothing at the router (same container, same release)
         cid = r["container"]["id"]
         p = dctl("up", "-i", str(inv), "-d", "rqa", "--only", "health", "--only", "route", timeout=300)

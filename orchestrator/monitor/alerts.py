@@ -46,6 +46,9 @@ RULES: tuple[dict[str, Any], ...] = (
     _rule("DeployctlSupervisorDown", 'up{job="deployctl-supervisor"} == 0', "2m", "warning",
           "{{ $labels.deployment }}: its supervisor's /metrics does not answer: nothing restarts it",
           "model-went-down-at-night.md"),
+    _rule("DeployctlRouterDown", 'up{job="deployctl-router"} == 0', "1m", "critical",
+          "the router on {{ $labels.router }} does not answer /metrics: the one endpoint is down for every model",
+          "model-went-down-at-night.md"),
     _rule("DeployctlRequestsQueued",
           "sum by (deployment) (vllm:num_requests_waiting or sglang:num_queue_reqs) "
           "> on(deployment) group_left() deployctl:queue_bound", "5m", "warning",

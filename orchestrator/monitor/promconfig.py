@@ -11,6 +11,10 @@ Jobs and what they scrape:
   test_prometheus_scrapes_the_engine_without_the_key asks both released engines).
 - deployctl-supervisor: the head's supervisor, supervise.port, /metrics (hostside/supervisor.py).
 - node: the standard prometheus-node-exporter on every host (its default port 9100).
+- deployctl-router: the inventory's router (all.vars.router), its own Prometheus port (metrics_port;
+  sglang-router's --prometheus-host/--prometheus-port, sglang_router/router_args.py): smg_router_*
+  series per model. Labelled router (its host) only: every deployment's file lists the same target
+  with the same labels, which Prometheus scrapes once.
 Every target is labelled deployment, host, rank, and release (the head's release history when the
 config was written: write it again after an `up` to keep it current), the engine's also model.
 """
@@ -21,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..deployment import Deployment
 
-JOBS = ("deployctl-engine", "deployctl-supervisor", "node")
+JOBS = ("deployctl-engine", "deployctl-supervisor", "node", "deployctl-router")
 NODE_EXPORTER_PORT = 9100
 RULES_DIR, TARGETS_DIR = "rules", "targets"
 
@@ -45,6 +49,11 @@ def targets(dep: "Deployment", release: int | None, node_port: int = NODE_EXPORT
                                                            "engine": e.kind}}],
         "node": [{"targets": [_hostport(h.address, node_port)], "labels": labels(h)} for h in c.hosts],
     }
+    if c.router is not None:
+        r = c.router
+        out["deployctl-router"] = [{"targets": [_hostport(r.address if r.address not in ("0.0.0.0", "::")
+                                                          else r.host.address, r.metrics_port)],
+                                    "labels": {"router": r.host.name}}]
     if supervised:
         out["deployctl-supervisor"] = [{"targets": [_hostport(head.address, dep.recipe.supervise.port)],
                                         "labels": labels(head)}]
