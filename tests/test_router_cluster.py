@@ -142,7 +142,7 @@ def test_two_deployments_behind_one_router(cluster, double_image, router_image, 
         assert {x["deployment"]: x["registered"] for x in r["registry"]["deployments"]} == {"rqa": True, "rqb": True}
         # health checks the router like an engine: it answers and routes this deployment (read-only)
         p = dctl("health", "-i", str(inv), "-d", "rqb")
-        assert p.returncode == 0 and f"router at {url} healthy, routes model qwen-b (release 1)" in p.stdout, out(p)
+        assert p.returncode == 0 and f"router at {url} healthy, routes model qwen-b (release 1)" in out(p), out(p)
         # bench through the endpoint: the router's URL and key, rqa's model
         p = dctl("bench", "-i", str(inv), "-d", "rqa", "--via-router", "--concurrency", "1", "--rounds", "2",
                  "--max-tokens", "4", "--no-warmup", "--json", timeout=120)
