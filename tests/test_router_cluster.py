@@ -69,6 +69,31 @@ def until(fn, timeout: float, what: str):
         time.sleep(0.5)
 
 
+def listener_nodelay(docker_host: str, port: int) -> int:
+    """TCP_NODELAY of the router's listening socket, read through its process (pidfd_getfd, as root here)."""
+    import ctypes
+    import os
+    import socket
+    from orchestrator.hostside.router_keeper import PIDFD_GETFD, _listening_fd
+    pids = _docker(docker_host, "top", "deployctl-router", "-eo", "pid,comm").stdout.split("\n")[1:]
+    for line in pids:
+        f = line.split()
+        if len(f) >= 2 and f[1].startswith("sglang"):
+            pid = int(f[0])
+            fd = _listening_fd(pid, port)
+            assert fd is not None, f"no listening socket on {port} in {pid}"
+            pidfd = os.pidfd_open(pid)
+            mine = ctypes.CDLL(None, use_errno=True).syscall(PIDFD_GETFD, pidfd, fd, 0)
+            os.close(pidfd)
+            assert mine >= 0, os.strerror(ctypes.get_errno())
+            s = socket.socket(fileno=mine)
+            try:
+                return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            finally:
+                s.close()
+    raise AssertionError(f"no sglang::router process in deployctl-router: {pids}")
+
+
 def routed_requests_scraped(inv: Path, d: Path, url: str) -> None:
     """`deployctl monitor config` lists the router's metrics port (job deployctl-router, labelled with
     its host); Debian's Prometheus scrapes it and reads the router's per-model request counter."""
@@ -133,6 +158,12 @@ def test_two_deployments_behind_one_router(cluster, double_image, router_image, 
         ps = _docker(node3, "exec", "deployctl-router", "sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '").stdout
         assert "sglang::router" in ps and "router keep" in ps, ps          # the router (its title), the keeper
         assert ROUTER_KEY not in ps and ENGINE_KEY not in ps
+        # TCP_NODELAY on the router's listening socket (its clients' connections inherit it): said in its
+        # log, and read back from this machine on the socket itself (ss -i: no "nodelay" field; the kernel's
+        # own view through the router's process)
+        logs = _docker(node3, "logs", "deployctl-router")
+        assert f"TCP_NODELAY set on the router's listening socket (port {ROUTER_PORT})" in logs.stdout + logs.stderr
+        assert listener_nodelay(node3, ROUTER_PORT) == 1
         # status: the router's row, both deployments routed
         p = dctl("status", "-i", str(inv), "--json")
         assert p.returncode == 0, out(p)

@@ -92,6 +92,7 @@ def test_worker_entry_and_install_identity(tmp_path):
     argv = layout.run_argv(conf, a, "inv")
     assert "sk-engine-0123456789" not in " ".join(argv) and argv[argv.index("--entrypoint") + 1] == "python3"
     assert argv[-3:] == ["router", "launch", "/state/config.json"] and "/nvme/.deployctl/router:/state" in argv
+    assert argv[argv.index("--cap-add") + 1] == "SYS_PTRACE" and argv.count("--cap-add") == 1   # nodelay() only
 
 
 A = {"deployment": "a", "model": "ma", "url": "http://h:1", "api_key": "k"}

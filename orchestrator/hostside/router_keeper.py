@@ -31,9 +31,12 @@ per install) is the keeper's only credential (`--control-plane-api-keys id:name:
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -200,7 +203,68 @@ def wait(cfg_path: str, timeout_s: float) -> int:
         time.sleep(0.3)
 
 
+def _listening_fd(pid: int, port: int) -> int | None:
+    """PID's listening TCP socket on PORT (IPv4 or IPv6): its fd number there, found by inode."""
+    inodes = set()
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{f[9]}]")
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{name}") in inodes:
+                return int(name)
+        except OSError:
+            continue
+    return None
+
+
+PIDFD_GETFD = 438        # the same number on x86_64 and aarch64 (asm-generic since Linux 5.6)
+
+
+def nodelay(pid: int, port: int, timeout_s: float = 120.0) -> str:
+    """TCP_NODELAY on the router's listening socket (in process PID, our child), once it listens;
+    Linux copies it to every connection accepted after. Why: sglang-router 0.3.2 leaves Nagle's
+    algorithm on for its clients' connections and writes a streamed answer's head and first chunk
+    apart, so on a kept-alive connection the first chunk waits for the client's delayed ACK: +20-40 ms
+    to the first token of every request but a connection's first (bench/README.md). What happened."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return "the router exited before it listened"
+        fd = _listening_fd(pid, port)
+        if fd is not None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            pidfd = os.pidfd_open(pid)
+            try:
+                mine = libc.syscall(PIDFD_GETFD, pidfd, fd, 0)
+                if mine < 0:
+                    return f"TCP_NODELAY not set: pidfd_getfd: {os.strerror(ctypes.get_errno())}"
+                s = socket.socket(fileno=mine)
+                try:
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                finally:
+                    s.close()                # our duplicate only: the router's socket stays open
+            finally:
+                os.close(pidfd)
+            return f"TCP_NODELAY set on the router's listening socket (port {port})"
+        time.sleep(0.05)
+    return f"TCP_NODELAY not set: the router did not listen on {port} within {timeout_s:g}s"
+
+
 def launch(cfg_path: str) -> int:
+    """The container's first process: the keeper, then the router in a child process (it holds the
+    GIL in its own process for good), TCP_NODELAY on its listening socket, then wait for it,
+    passing on docker's SIGTERM (a graceful stop: in-flight streams finish)."""
     cfg, state = _load(cfg_path)
     client = _read(os.path.join(state, "api_key"))
     admin = _read(os.path.join(state, "admin_key"))
@@ -208,9 +272,21 @@ def launch(cfg_path: str) -> int:
         print(f"router: no admin key in {state}/admin_key", file=sys.stderr)
         return 2
     subprocess.Popen([sys.executable, sys.argv[0], "router", "keep", cfg_path])
-    from sglang_router.launch_router import launch_router, parse_router_args   # the router image's package
-    launch_router(parse_router_args(router_argv(cfg, client, admin)))
-    return 0
+    pid = os.fork()
+    if pid == 0:
+        from sglang_router.launch_router import launch_router, parse_router_args   # the router image's package
+        launch_router(parse_router_args(router_argv(cfg, client, admin)))
+        os._exit(0)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: os.kill(pid, s))
+    print(f"router keeper: {nodelay(pid, int(cfg['port']))}", file=sys.stderr, flush=True)
+    while True:
+        try:
+            got, status = os.waitpid(pid, 0)
+        except ChildProcessError:        # reaped by nodelay()'s check: it exited
+            return 1
+        if got == pid:
+            return os.waitstatus_to_exitcode(status)
 
 
 def _load(cfg_path: str) -> tuple[dict, str]:

@@ -48,10 +48,15 @@ def install_id(conf: "RouterConf", image_id: str, client_key_id: str | None) -> 
 
 def run_argv(conf: "RouterConf", install: str, owner: str) -> list[str]:
     """`docker run` of the router: host network (it reaches every deployment's API as the controller
-    does, and listens on conf.address), restarted by the engine after a crash or reboot."""
+    does, and listens on conf.address), restarted by the engine after a crash or reboot. One added
+    capability, CAP_SYS_PTRACE, for one thing: the launcher takes a duplicate of its own child's (the
+    router's) listening socket with pidfd_getfd, which Docker's seccomp profile admits only with it, to
+    set TCP_NODELAY there (hostside/router_keeper.py `nodelay`: -20 to -40 ms per request); it reaches
+    no process outside the container's own PID namespace. Without it the router runs, slower."""
     return docker_argv(conf.host, "run", "-d", "--name", CONTAINER, "--label", f"{LABEL}={owner}",
                        "--label", f"{INSTALL_LABEL}={install}", "--restart", "unless-stopped",
-                       "--network", "host", "--log-opt", "max-size=10m", "--log-opt", "max-file=2",
+                       "--network", "host", "--cap-add", "SYS_PTRACE",
+                       "--log-opt", "max-size=10m", "--log-opt", "max-file=2",
                        "-v", f"{state_dir(conf)}:/state", "--entrypoint", "python3", conf.image,
                        f"/state/{bundle.file_name()}", "router", "launch", "/state/config.json")
 
