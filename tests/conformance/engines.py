@@ -4,6 +4,8 @@
 the venv is complete and builds it first otherwise (minutes, once per engine version).
 `run_probe(name, payload)` runs tests/conformance/probes/<name>.py with that python, JSON in and
 JSON out, and raises ProbeError with the probe's error and the tail of its stderr on failure.
+`run_probes(name, payloads)` runs it once for several payloads (one process: the engine's imports
+once), answers in order.
 """
 from __future__ import annotations
 
@@ -93,3 +95,13 @@ def run_probe(name: str, payload: dict[str, Any], timeout: float = PROBE_TIMEOUT
         raise ProbeError(f"probe {name} failed (exit {p.returncode}): {why}\n{tb}"
                          f"stderr tail:\n{_tail(p.stderr)}")
     return out
+
+
+def run_probes(name: str, payloads: list[dict[str, Any]], timeout: float = PROBE_TIMEOUT_S) -> list[dict[str, Any]]:
+    """Probe `name` over every payload in one process (probes/_common.py `run`'s batch); their answers,
+    in order. ProbeError naming the payload (its index) and its error when one failed."""
+    answers = run_probe(name, {"batch": payloads}, timeout)["batch"]
+    for i, ans in enumerate(answers):
+        if "probe_error" in ans:
+            raise ProbeError(f"probe {name} failed on payload {i}: {ans['probe_error']}\n{ans.get('traceback', '')}")
+    return answers

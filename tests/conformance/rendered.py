@@ -46,12 +46,17 @@ def with_arg(argv: list[str], flag: str, value: str) -> list[str]:
     return a
 
 
-def assert_rejected(engine: str, cases: dict[str, tuple[list[str], str, str]]) -> None:
-    """Every case (argv, stage, text): the `<engine>_argv` probe refuses it at that stage, with that
+def with_rejected(argvs: dict[tuple[str, str], list[str]],
+                  rejected: dict[str, tuple[list[str], str, str]]) -> dict[tuple[str, str], list[str]]:
+    """ARGVS and the argvs of REJECTED's cases (keyed ("rejected", name)): one probe run for both."""
+    return {**argvs, **{("rejected", n): c[0] for n, c in rejected.items()}}
+
+
+def assert_rejected(results: dict[tuple[str, str], dict], cases: dict[str, tuple[list[str], str, str]]) -> None:
+    """Every case (argv, stage, text): the `<engine>_argv` probe refused it at that stage, with that
     text in its error: the probe really rejects what the engine rejects, where the engine does."""
-    names = sorted(cases)
-    ans = run_probe(f"{engine}_argv", {"argvs": [cases[n][0] for n in names]})
-    for name, res in zip(names, ans["results"]):
+    for name in sorted(cases):
+        res = results[("rejected", name)]
         _, stage, text = cases[name]
         assert not res["ok"], f"{name}: the probe accepted it"
         assert res["stage"] == stage, (name, res["stage"], res["error"])

@@ -31,9 +31,31 @@ ARGVS = rendered_argvs(SGLANG_RECIPES)
 CASES = sorted(ARGVS)
 
 
+def rejected_cases() -> dict[str, tuple[list[str], str, str]]:
+    """Argvs the released parser must refuse: (argv, the stage, a text of its error)."""
+    base = ARGVS[CASES[0]]
+
+    def with_arg(flag: str, value: str) -> list[str]:
+        return rendered.with_arg(base, flag, value)
+
+    return {
+        "bogus flag": (base + ["--definitely-not-an-sglang-flag", "1"], "parse",
+                       "unrecognized arguments: --definitely-not-an-sglang-flag"),
+        "bad backend": (with_arg("--ple-offload-backend", "disk"), "parse",
+                        "argument --ple-offload-backend: invalid choice: 'disk'"),
+        "bad int": (with_arg("--tp-size", "one"), "parse", "--tp-size"),
+        "abbreviated flag": (base + ["--mem-fraction", "0.5"], "flags", "--mem-fraction"),
+        "not launch_server": (["python3", "-m", "sglang.bench_serving"] + base[3:], "argv",
+                              "sglang.launch_server"),
+    }
+
+
+REJECTED = rejected_cases()
+
+
 @pytest.fixture(scope="module")
 def sglang_results() -> dict[tuple[str, str], dict]:
-    return probe_all("sglang", ARGVS)
+    return probe_all("sglang", rendered.with_rejected(ARGVS, REJECTED))
 
 
 def test_every_sglang_recipe_is_covered():
@@ -76,20 +98,5 @@ def test_parsed_values_follow_the_recipe(sglang_results, recipe, host):
     assert set(res["flags"]) == {a for a in ARGVS[(recipe, host)] if a.startswith("--")}
 
 
-def test_wrong_flags_are_reported_by_the_released_parser():
-    base = ARGVS[CASES[0]]
-
-    def with_arg(flag: str, value: str) -> list[str]:
-        return rendered.with_arg(base, flag, value)
-
-    cases = {
-        "bogus flag": (base + ["--definitely-not-an-sglang-flag", "1"], "parse",
-                       "unrecognized arguments: --definitely-not-an-sglang-flag"),
-        "bad backend": (with_arg("--ple-offload-backend", "disk"), "parse",
-                        "argument --ple-offload-backend: invalid choice: 'disk'"),
-        "bad int": (with_arg("--tp-size", "one"), "parse", "--tp-size"),
-        "abbreviated flag": (base + ["--mem-fraction", "0.5"], "flags", "--mem-fraction"),
-        "not launch_server": (["python3", "-m", "sglang.bench_serving"] + base[3:], "argv",
-                              "sglang.launch_server"),
-    }
-    rendered.assert_rejected("sglang", cases)
+def test_wrong_flags_are_reported_by_the_released_parser(sglang_results):
+    rendered.assert_rejected(sglang_results, REJECTED)

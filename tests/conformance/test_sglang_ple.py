@@ -20,7 +20,7 @@ from orchestrator.stages.write_ple import spec_for
 from orchestrator.hostside import ple_write as P
 from orchestrator.hostside import ple_spec
 from orchestrator.hostside.geometry import TableGeometry, total_rows
-from tests.conformance.engines import run_probe, versions
+from tests.conformance.engines import run_probes, versions
 from tests.synth import TensorPlan, expected_row, write_checkpoint
 
 # The first test of a session may build the engine's venv (.ci/conformance-venv: minutes, once).
@@ -61,11 +61,34 @@ def _spec(recipe: str, tp: int) -> ple_spec.PleTableSpec:
     return ple_spec.parse_spec(doc)
 
 
-@pytest.mark.parametrize("recipe,tp", [(r, tp) for r in RECIPES for tp in (1, 2)])
-def test_table_layout_equals_released_sglang(tmp_path, recipe, tp):
+LAYOUTS = [(r, tp) for r in RECIPES for tp in (1, 2)]
+# (ii)'s small tables (vocab 97 per order: 1,552 rows, padded to 1,664), 16 shards, TP 2
+SMALL_TP, SMALL_SHARDS, SMALL_WIDTH = 2, 16, 160
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory) -> dict:
+    """The released SGLang's answers to every case of this module, one probe run (its imports once):
+    each layout (RECIPES x TP 1, 2) by (recipe, tp), and under "mapped" its allocation of the folder
+    deployctl wrote (with what was written: small_table)."""
+    d = tmp_path_factory.mktemp("sglang-ple")
+    payloads = {}
+    for recipe, tp in LAYOUTS:
+        spec = _spec(recipe, tp)
+        cfg = write_config(d / f"{recipe}-tp{tp}", spec.geometry, spec.engine_config)
+        payloads[(recipe, tp)] = {"config_json": str(cfg), "tp": tp}
+    small = small_table(d / "mapped")
+    payloads["mapped"] = {"config_json": str(small["config"]), "tp": SMALL_TP, "table_dir": str(small["dest"]),
+                          "allocate": True}
+    got = dict(zip(payloads, run_probes("sglang_ple_table", list(payloads.values()))))
+    got["small_table"] = small
+    return got
+
+
+@pytest.mark.parametrize("recipe,tp", LAYOUTS)
+def test_table_layout_equals_released_sglang(answers, recipe, tp):
     spec = _spec(recipe, tp)
-    cfg = write_config(tmp_path, spec.geometry, spec.engine_config)
-    ans = run_probe("sglang_ple_table", {"config_json": str(cfg), "tp": tp})
+    ans = answers[(recipe, tp)]
     assert ans["sglang_version"] == versions()["sglang"]
     layer = ans["ple_layers"][0]
     assert layer["total_vocab_size"] == total_rows(spec.geometry), "the prime scheme differs"
@@ -85,9 +108,9 @@ def test_table_layout_equals_released_sglang(tmp_path, recipe, tp):
             f"i x {e['shard_size']}")
 
 
-def test_released_sglang_maps_deployctl_file_untouched(tmp_path):
-    """Small tables (vocab 97 per order: 1,552 rows, padded to 1,664), 16 shards, TP 2."""
-    tp, shards, width = 2, 16, 160
+def small_table(d: Path) -> dict:
+    """A checkpoint of small PLE shards and the table deployctl's write-ple makes of it (TP 2)."""
+    tp, shards, width = SMALL_TP, SMALL_SHARDS, SMALL_WIDTH
     g = TableGeometry(layers=(2,), orders=(2, 3), heads_per_order=8, vocab_per_order=(97, 97),
                       row_values=width, dtype="F8_E4M3")
     eng = {"make_ngram_vocab_size_divisible_by": 128, "split_ngram_parts": shards}
@@ -104,14 +127,20 @@ def test_released_sglang_maps_deployctl_file_untouched(tmp_path):
     per = -(-rows // shards)                       # an exporter's cut of the real rows
     plans = [TensorPlan(spec.shard_name(i), "F8_E4M3", max(0, min(per, rows - i * per)), width)
              for i in range(shards)]
-    ck, dest = tmp_path / "ckpt", tmp_path / "ple"
+    ck, dest = d / "ckpt", d / "ple"
     write_checkpoint(ck, plans, files=3)
     cfg = write_config(ck, g, eng)                 # the checkpoint's own config.json
     P.write_table(spec, ck, dest, quiet=True)
-    written = sorted(p.name for p in dest.glob("ple_table_*.bin"))
+    return {"config": cfg, "dest": dest, "plans": plans,
+            "written": sorted(p.name for p in dest.glob("ple_table_*.bin"))}
 
-    ans = run_probe("sglang_ple_table", {"config_json": str(cfg), "tp": tp, "table_dir": str(dest),
-                                         "allocate": True})
+
+def test_released_sglang_maps_deployctl_file_untouched(answers):
+    """The released allocate_ple_host_table finds deployctl's files, leaves them as written and
+    reads each rank's rows where SGLang's loader would have put them."""
+    shards, width = SMALL_SHARDS, SMALL_WIDTH
+    small, ans = answers["small_table"], answers["mapped"]
+    plans, written = small["plans"], small["written"]
     assert sorted(Path(a["path"]).name for a in ans["allocate"]) == written, (
         f"deployctl wrote {written}; the released SGLang maps "
         f"{sorted(Path(a['path']).name for a in ans['allocate'])}")

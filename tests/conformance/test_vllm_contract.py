@@ -20,7 +20,7 @@ from orchestrator.hostside import geometry as G
 from orchestrator.deployment import load_deployment
 from orchestrator.paths import INVENTORIES_DIR
 from orchestrator.recipe import load_recipe
-from tests.conformance.engines import ROOT, run_probe, versions
+from tests.conformance.engines import ROOT, run_probes, versions
 from tests.conformance import rendered
 from tests.conformance.rendered import probe_all, recipes_of, rendered_argvs
 
@@ -44,10 +44,37 @@ ARGVS = rendered_argvs(VLLM_RECIPES)
 CASES = sorted(ARGVS)
 
 
+def rejected_cases() -> dict[str, tuple[list[str], str, str]]:
+    """Argvs the released parser must refuse: (argv, the stage, a text of its error)."""
+    base = ARGVS[CASES[0]]
+
+    def with_arg(flag: str, value: str) -> list[str]:
+        return rendered.with_arg(base, flag, value)
+
+    return {
+        "bogus flag": (base + ["--definitely-not-a-vllm-flag", "1"], "parse",
+                       "unrecognized arguments: --definitely-not-a-vllm-flag"),
+        "abbreviated flag": (base + ["--max-num-batched", "64"], "flags", "--max-num-batched"),
+        "bad int": (with_arg("--max-num-seqs", "eight"), "parse", "--max-num-seqs"),
+        "unknown reasoning parser": (with_arg("--reasoning-parser", "no_such_parser"), "api_server",
+                                     "invalid reasoning parser: no_such_parser"),
+        "unknown tool parser": (with_arg("--tool-call-parser", "no_such_parser"), "api_server",
+                                "invalid tool call parser: no_such_parser"),
+        "unknown speculative method": (with_arg("--speculative-config", json.dumps(
+            {"method": "no_such_method", "num_speculative_tokens": 5})), "speculative_config", "method"),
+        "unknown engram key": (with_arg("--engram-config", '{"no_such_key": 1}'), "parse",
+                               "no_such_key"),
+        "not vllm serve": (["vllm", "bench"] + base[2:], "argv", "vllm serve"),
+    }
+
+
+REJECTED = rejected_cases()
+
+
 @pytest.fixture(scope="module")
 def vllm_results() -> dict[tuple[str, str], dict]:
     """One probe run for every argv (the engine's imports cost seconds, once)."""
-    return probe_all("vllm", ARGVS)
+    return probe_all("vllm", rendered.with_rejected(ARGVS, REJECTED))
 
 
 def test_every_vllm_recipe_is_covered():
@@ -107,29 +134,9 @@ def test_recipe_arguments_reach_the_engine(vllm_results, recipe, host):
     assert parsed["served_model_name"] == [r.engine.served_name]
 
 
-def test_wrong_flags_are_reported_by_the_released_parser():
+def test_wrong_flags_are_reported_by_the_released_parser(vllm_results):
     """The probe really rejects what vLLM rejects, at the stage vLLM does."""
-    base = ARGVS[CASES[0]]
-
-    def with_arg(flag: str, value: str) -> list[str]:
-        return rendered.with_arg(base, flag, value)
-
-    cases = {
-        "bogus flag": (base + ["--definitely-not-a-vllm-flag", "1"], "parse",
-                       "unrecognized arguments: --definitely-not-a-vllm-flag"),
-        "abbreviated flag": (base + ["--max-num-batched", "64"], "flags", "--max-num-batched"),
-        "bad int": (with_arg("--max-num-seqs", "eight"), "parse", "--max-num-seqs"),
-        "unknown reasoning parser": (with_arg("--reasoning-parser", "no_such_parser"), "api_server",
-                                     "invalid reasoning parser: no_such_parser"),
-        "unknown tool parser": (with_arg("--tool-call-parser", "no_such_parser"), "api_server",
-                                "invalid tool call parser: no_such_parser"),
-        "unknown speculative method": (with_arg("--speculative-config", json.dumps(
-            {"method": "no_such_method", "num_speculative_tokens": 5})), "speculative_config", "method"),
-        "unknown engram key": (with_arg("--engram-config", '{"no_such_key": 1}'), "parse",
-                               "no_such_key"),
-        "not vllm serve": (["vllm", "bench"] + base[2:], "argv", "vllm serve"),
-    }
-    rendered.assert_rejected("vllm", cases)
+    rendered.assert_rejected(vllm_results, REJECTED)
 
 
 # -- (ii) Engram row ranges ----------------------------------------------------------------------
@@ -152,16 +159,26 @@ def _deployctl_ranges(recipe: str, tp: int) -> list[dict]:
 ENGRAM_RECIPES = sorted(r for r in VLLM_RECIPES if load_recipe(r).recipe.engram is not None)
 
 
+def _engram_payload(recipe: str) -> dict:
+    g = load_recipe(recipe).recipe.engram.geometry
+    return {"tp": list(ENGRAM_TP),
+            "config": {"layers": list(g.layers), "orders": list(g.orders),
+                       "heads_per_order": g.heads_per_order, "vocab_per_order": list(g.vocab_per_order),
+                       "row_values": g.row_values},
+            "engram_config": _engram_config_arg(recipe)}
+
+
+@pytest.fixture(scope="module")
+def engram_answers() -> dict[str, dict]:
+    """The released vLLM's ranges for every Engram recipe, one probe run."""
+    return dict(zip(ENGRAM_RECIPES, run_probes("vllm_engram_ranges", [_engram_payload(r) for r in ENGRAM_RECIPES])))
+
+
 @pytest.mark.parametrize("recipe", ENGRAM_RECIPES)
-def test_engram_ranges_equal_released_vllm(recipe):
+def test_engram_ranges_equal_released_vllm(engram_answers, recipe):
     r = load_recipe(recipe).recipe
     g = r.engram.geometry
-    ans = run_probe("vllm_engram_ranges", {
-        "tp": list(ENGRAM_TP),
-        "config": {"layers": list(g.layers), "orders": list(g.orders),
-                   "heads_per_order": g.heads_per_order, "vocab_per_order": list(g.vocab_per_order),
-                   "row_values": g.row_values},
-        "engram_config": _engram_config_arg(recipe)})
+    ans = engram_answers[recipe]
     # the tables: one prime-sized bucket range per (order, head), the layer's rows their sum
     ours = {t.layer: [s.rows for s in t.subtables] for t in G.layer_tables(g)}
     theirs = {x["layer"]: x["head_sizes"] for x in ans["layers"]}

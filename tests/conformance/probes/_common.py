@@ -3,6 +3,10 @@
 A probe reads one JSON object on stdin and writes one JSON object on stdout. The engines log
 to stdout (vLLM's logger does), so `run()` moves fd 1 onto stderr before the probe imports
 anything and keeps a private handle on the real stdout for the answer alone.
+
+`{"batch": [payload, ...]}` runs the probe once per payload in this one process and answers
+`{"batch": [answer, ...]}` (a failed payload's answer is its probe_error): the engines' imports
+cost 5-7 s a process, the probes themselves well under one.
 """
 from __future__ import annotations
 
@@ -27,15 +31,29 @@ def run(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         payload = json.load(sys.stdin)
-        result = fn(payload)
+        if isinstance(payload, dict) and set(payload) == {"batch"}:
+            result = {"batch": [_one(fn, p) for p in payload["batch"]]}
+        else:
+            result = fn(payload)
         rc = 0
     except Exception as e:  # noqa: BLE001 - any failure is reported to the caller as data
-        result = {"probe_error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        result = _failure(e)
         rc = 1
     out.write(json.dumps(result, sort_keys=True))
     out.write("\n")
     out.flush()
     sys.exit(rc)
+
+
+def _failure(e: BaseException) -> dict[str, Any]:
+    return {"probe_error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+
+def _one(fn: Callable[[dict[str, Any]], dict[str, Any]], payload: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return fn(payload)
+    except Exception as e:  # noqa: BLE001 - this payload's failure, the others still answered
+        return _failure(e)
 
 
 def error_text(e: BaseException) -> str:
