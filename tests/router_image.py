@@ -6,9 +6,8 @@ real-vLLM tier lets `up` build it on the host: tests/test_real_vllm.py)."""
 from __future__ import annotations
 
 from orchestrator.executors import docker_engine as de
-from orchestrator.imagechain import wheelhouse
 from orchestrator.imagechain.builder import ChainBuilder, cache_ref
-from orchestrator.imagechain.spec import check_inputs, load_chain
+from orchestrator.imagechain.spec import ready_chain
 from orchestrator.router.config import CHAIN, DEFAULT_IMAGE
 from tests.cluster.images import DEBIAN_IMAGE, ensure_base_images
 
@@ -31,9 +30,7 @@ class _Log:
 def build_locally(folder) -> list[str]:
     """[base, step cache ref, tag] of the router image built in the local engine."""
     ensure_base_images()
-    chain = load_chain(CHAIN)
-    wheelhouse.ensure(chain.wheelhouse)
-    check_inputs(chain)
+    chain, _ = ready_chain(CHAIN)
     client = de.local_client()
     try:
         report = ChainBuilder(client, chain, final_tag=DEFAULT_IMAGE, where="local engine",

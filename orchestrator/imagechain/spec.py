@@ -24,7 +24,7 @@ import posixpath
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import jinja2
 
@@ -411,6 +411,16 @@ def load_chain(name_or_path: str, *, lock_file: str | Path | None = None, inputs
 
 # ------------------------------------------------------------------------------------------------
 # Checks of the inputs (local files only; run before the engine is contacted)
+
+def ready_chain(name_or_path: str, say=lambda msg: None, **load: Any) -> tuple[LoadedChain, list[str]]:
+    """Chain NAME_OR_PATH (load_chain's keywords) ready to build: its wheelhouse fetched (on the
+    controller, once per lock: the build itself has no network) and its inputs checked (InputError:
+    exit 2, nothing touched); with check_inputs' notes. What every builder of a chain does first."""
+    chain = load_chain(name_or_path, **load)
+    if chain.wheelhouse is not None:
+        wheelhouse.ensure(chain.wheelhouse, say=say)
+    return chain, check_inputs(chain)
+
 
 def check_inputs(chain: LoadedChain) -> list[str]:
     """Every input exists and has the shape its step expects; pins match. Raises InputError.

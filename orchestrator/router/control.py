@@ -16,14 +16,12 @@ import base64
 import json
 import secrets as pysecrets
 import time
-import urllib.error
-import urllib.request
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from ..apikey import ApiKey, load_key
 from ..errors import InputError
-from ..hostside import bundle
+from ..hostside import bundle, httpcall
 from ..outcomes import HostFailure
 from . import layout
 from .config import CHAIN, DEFAULT_IMAGE
@@ -72,9 +70,8 @@ def check(dep: "Deployment") -> "RouterConf":
 def image(dep: "Deployment", ctx: "RunContext") -> tuple[str, str]:
     """(image id, what happened) for the router image on the router host."""
     from ..executors import docker_engine as de
-    from ..imagechain import wheelhouse
     from ..imagechain.builder import ChainBuilder, ChainFailed
-    from ..imagechain.spec import check_inputs, load_chain
+    from ..imagechain.spec import ready_chain
     conf = dep.cluster.router
     assert conf is not None
     client = de.engine_client(dep.cluster, conf.host)
@@ -86,10 +83,7 @@ def image(dep: "Deployment", ctx: "RunContext") -> tuple[str, str]:
                                   f"{conf.host.name}'s engine: load it there, or drop the key to have deployctl "
                                   f"build {DEFAULT_IMAGE}")
             return iid, f"{conf.image} = {iid[:19]} (the inventory's own)"
-        chain = load_chain(CHAIN)
-        if chain.wheelhouse is not None:
-            wheelhouse.ensure(chain.wheelhouse, say=ctx.say)
-        check_inputs(chain)
+        chain, _ = ready_chain(CHAIN, say=ctx.say)
         where = f"{conf.host.name} ({conf.host.ssh_url}): {de.engine_name(client)}"
         builder = ChainBuilder(client, chain, final_tag=conf.image, where=where,
                                log_for=lambda step: ctx.host_log(conf.host.name, f"router-build-{step}"),
@@ -129,7 +123,11 @@ def install(dep: "Deployment", sh: "HostShell", image_id: str) -> str:
     if found and found[1] == "running" and found[2] == iid:
         return f"router {iid} already running ({found[0][:12]}) at {conf.url}"
     if found:
-        sh.run(sh.docker("rm", "-f", found[0]), timeout=TIMEOUT_S)
+        rm = sh.run(sh.docker("rm", "-f", found[0]), timeout=TIMEOUT_S)
+        if rm.rc != 0:             # docker run would fail on the name, and say less
+            raise HostFailure(f"the router's old container {found[0][:12]} ({found[2] or 'no install label'}) on "
+                              f"{conf.host.name} could not be removed: exit {rm.rc}: "
+                              f"{(rm.stderr or rm.stdout).strip()[-300:]}", rc=rm.rc)
     d = layout.state_dir(conf)
     admin = pysecrets.token_urlsafe(32)
     payload = base64.b64encode(bundle.data()).decode()
@@ -259,13 +257,9 @@ def probe(url: str, timeout: float = 5.0) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for path in ("/health", "/v1/models"):
         try:
-            with urllib.request.urlopen(url + path, timeout=timeout) as r:
-                body = r.read()
-                out[path] = r.status
-                if path == "/v1/models":
-                    out["models"] = [m.get("id") for m in json.loads(body).get("data") or []]
-        except urllib.error.HTTPError as e:
-            out[path] = e.code
+            out[path], body = httpcall.call(url + path, timeout=timeout)
+            if path == "/v1/models" and out[path] == 200:
+                out["models"] = [m.get("id") for m in json.loads(body).get("data") or []]
         except (OSError, ValueError) as e:
             out[path] = f"no answer ({type(e).__name__})"
     out["healthy"] = out.get("/health") == 200

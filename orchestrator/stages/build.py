@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..executors.docker_cli import docker_sh
 from ..imagechain import lock as locks
-from ..imagechain import wheelhouse
-from ..imagechain.spec import check_inputs, load_chain
+from ..imagechain.spec import load_chain, ready_chain
 from ..outcomes import HostResult, run_per_host
 from ..plan import Action
 from ..runoptions import RunOptions
@@ -56,11 +55,8 @@ def apply(dep: "Deployment", actions: list[Action], ctx: "RunContext") -> list[H
     opts = ctx.options
     e = dep.recipe.engine
     assert e.chain
-    chain = load_chain(e.chain, inputs_dir=opts.inputs_dir, input_roots=opts.input_roots,
-                       var_overrides=opts.chain_vars)
-    if chain.wheelhouse is not None:   # on the controller, once per lock: the build itself has no network
-        wheelhouse.ensure(chain.wheelhouse, say=ctx.say)
-    notes = check_inputs(chain)        # InputError propagates: exit 2, nothing touched
+    chain, notes = ready_chain(e.chain, say=ctx.say, inputs_dir=opts.inputs_dir, input_roots=opts.input_roots,
+                               var_overrides=opts.chain_vars)
 
     def one(action: Action, log: "HostLog") -> HostResult:
         return _build_on(dep, action, log, ctx, chain, notes)
