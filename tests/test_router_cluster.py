@@ -1,10 +1,12 @@
-"""One endpoint in front of two deployments on the 4-host test cluster (docs/router.md), the engine
-double behind the real SGLang router (sglang-router 0.3.2 in its image, dockerfiles/chains/router.yml):
-`up` of each registers it, the router routes by `model` (streaming too), lists exactly the healthy
-deployments, refuses an unknown model and a missing key; the keys are in no argv or `docker inspect`;
-a deployment whose engine dies leaves /v1/models; `status` shows the router; `down` of the last
-deployment stops it. The real vLLM behind it, with a load while one deployment is replaced:
-tests/test_real_vllm.py."""
+"""Two deployments in one inventory, one endpoint in front of them, on the 4-host test cluster
+(docs/deployments.md, docs/router.md): the engine double behind the real SGLang router
+(sglang-router 0.3.2 in its image, dockerfiles/chains/router.yml). A command that does not say which
+deployment is refused; `up` of each brings it up on its own host only and registers it; the router
+routes by `model` (streaming too), lists exactly the healthy deployments, refuses an unknown model and
+a missing key; the keys are in no argv or `docker inspect`; a deployment whose engine dies leaves
+/v1/models; `status` without `--deployment` shows both and the router; `down` of one leaves the other
+serving, untouched; `down` of the last stops the router. The real vLLM behind it, with a load while
+one deployment is replaced and rolled back: tests/test_real_vllm.py."""
 from __future__ import annotations
 
 import json
@@ -127,6 +129,8 @@ def test_two_deployments_behind_one_router(cluster, double_image, router_image, 
     url = f"http://{cluster.host('node3').address}:{ROUTER_PORT}"
     node3 = cluster.host("node3").docker_host
     try:
+        p = dctl("up", "-i", str(inv), "--only", "launch")
+        assert p.returncode == 2 and "pick one with --deployment NAME" in p.stderr, out(p)
         p = dctl("plan", "-i", str(inv), "-d", "rqa", "--only", "route")
         assert p.returncode == 0 and "registered once its /health answers" in p.stdout, out(p)
         for name in DEPS:
@@ -134,6 +138,10 @@ def test_two_deployments_behind_one_router(cluster, double_image, router_image, 
                      "health", "--only", "route", timeout=300)
             assert p.returncode == 0, out(p)
             assert f"served at {url}" in p.stdout + p.stderr, out(p)
+        for name, (host, _, _) in DEPS.items():
+            assert len(containers(cluster, host, name)) == 1
+            other = next(h for n, (h, _, _) in DEPS.items() if n != name)
+            assert containers(cluster, other, name) == []          # each only on its own host
         assert models(url) == ["qwen-a", "qwen-b"]
         # each model reaches its own deployment (the answer names the model the engine serves)
         for served in ("qwen-a", "qwen-b"):
@@ -164,13 +172,24 @@ def test_two_deployments_behind_one_router(cluster, double_image, router_image, 
         logs = _docker(node3, "logs", "deployctl-router")
         assert f"TCP_NODELAY set on the router's listening socket (port {ROUTER_PORT})" in logs.stdout + logs.stderr
         assert listener_nodelay(node3, ROUTER_PORT) == 1
-        # status: the router's row, both deployments routed
+        # status without --deployment: both, healthy, each with its own model and host, and the router's
+        # row with both deployments routed
         p = dctl("status", "-i", str(inv), "--json")
         assert p.returncode == 0, out(p)
+        docs = {d["deployment"]: d for d in json.loads(p.stdout)["deployments"]}
+        assert sorted(docs) == ["rqa", "rqb"]
+        for name, (host, port, served) in DEPS.items():
+            d = docs[name]
+            assert d["api"]["healthy"] and d["model"] == served and d["api"]["url"].endswith(f":{port}"), d
+            assert [h["host"] for h in d["hosts"]] == [host]
+            assert d["in_flight"] == {"running": 0, "waiting": 0}, d        # the engine's own gauges
         r = json.loads(p.stdout)["router"]
         assert r["health"]["healthy"] and sorted(r["health"]["models"]) == ["qwen-a", "qwen-b"], r
         assert r["release"]["n"] == 1 and r["container"]["state"] == "running", r
         assert {x["deployment"]: x["registered"] for x in r["registry"]["deployments"]} == {"rqa": True, "rqb": True}
+        p = dctl("status", "-i", str(inv))
+        assert p.returncode == 0 and "2 deployments" in p.stdout and "qwen-b" in p.stdout, out(p)
+        assert "0 running, 0 waiting" in p.stdout, out(p)
         # health checks the router like an engine: it answers and routes this deployment (read-only)
         p = dctl("health", "-i", str(inv), "-d", "rqb")
         assert p.returncode == 0 and f"router at {url} healthy, routes model qwen-b (release 1)" in out(p), out(p)
@@ -200,9 +219,12 @@ def test_two_deployments_behind_one_router(cluster, double_image, router_image, 
         _docker(node3, "restart", "-t", "2", "deployctl-router")
         until(lambda: call(url, "/health", key=None)[0] == 200 and models(url) == ["qwen-a", "qwen-b"], 60,
               "a restarted router lists both again")
-        # down of one: out of the router first, the other still routed; down of the last stops the router
+        # down of one: out of the router first, the other still routed, its container untouched; down of
+        # the last stops the router
+        (kept,) = containers(cluster, "node3", "rqa")
         p = dctl("down", "-i", str(inv), "-d", "rqb")
         assert p.returncode == 0 and "removed from the router" in p.stderr, out(p)
+        assert containers(cluster, "node4", "rqb") == [] and containers(cluster, "node3", "rqa") == [kept]
         assert models(url) == ["qwen-a"]
         code, raw = call(url, "/v1/chat/completions", {"model": "qwen-a", "max_tokens": 2,
                                                        "messages": [{"role": "user", "content": "hi"}]})

@@ -84,14 +84,14 @@ def history_command(inventory, as_json, verbose, quiet):
 @keep_option
 @click.option("--dry-run", is_flag=True,
               help="Show the release and the plan (ship, fetch-model, sync-model, the table stages, launch, "
-                   "health) it would run, and stop.")
+                   "health, supervise, route) it would run, and stop.")
 @handle_errors
 def rollback_command(inventory, as_json, verbose, quiet, to, sets, keep_on_failure, dry_run):
     """Relaunch release N (`deployctl history`) by its image ID, then the full health check.
 
     Runs ship (only the layers a worker lacks), fetch-model and sync-model (the checkpoint commit the
     release served, fetched again only if the head lost it), the table stages (skipped when current),
-    launch and health, with the release's recorded overrides, `model.revision` set to that commit and
+    launch, health, supervise and route (behind a router: its entry only, the others untouched), with the release's recorded overrides, `model.revision` set to that commit and
     `engine.image` to its pin tag (`deployctl-release/<deployment>:<N>`, the exact image ID on every
     node). Holds the deployment's lock. Success is a new release ("rollback of N"). Exit 1 with the
     reason when it does not come up healthy; a commit that is neither on the head nor on the Hub is
