@@ -112,8 +112,8 @@ def _load(inventory: str | Path | None, recipe: str | None = None, sets: tuple[s
     cluster = load_inventory(inventory)
     ref = recipe or cluster.recipe
     if not ref:
-        raise InputError("no recipe: pass --recipe or set all.vars.recipe", file=str(cluster.file),
-                         key="all.vars.recipe")
+        raise InputError(f"no recipe: pass --recipe or set {cluster.vars_key}.recipe", file=str(cluster.file),
+                         key=f"{cluster.vars_key}.recipe")
     if not recipe:
         ref = _inventory_recipe(cluster, str(ref))
     loaded = load_recipe(ref, (*cluster.recipe_overrides, *sets))
@@ -126,17 +126,18 @@ def _load(inventory: str | Path | None, recipe: str | None = None, sets: tuple[s
 
 
 def _inventory_recipe(cluster: Cluster, ref: str) -> str:
-    """The recipe file all.vars.recipe names: its errors name the inventory's key, not --recipe."""
+    """The recipe file the inventory names (all.vars.recipe, or the deployment's own): its errors name
+    the inventory's key, not --recipe."""
     if "/" in ref or ref.endswith((".yml", ".yaml")):
         p = Path(ref)                     # a path in the inventory is relative to the inventory file
         p = p if p.is_absolute() else cluster.file.parent / p
         if not p.is_file():
-            raise InputError(f"no recipe file {str(p)!r}", file=str(cluster.file), key="all.vars.recipe")
+            raise InputError(f"no recipe file {str(p)!r}", file=str(cluster.file), key=f"{cluster.vars_key}.recipe")
         return str(p)
     try:
         return str(resolve_path(ref))
     except InputError as e:
-        raise InputError(e.detail, file=str(cluster.file), key="all.vars.recipe") from None
+        raise InputError(e.detail, file=str(cluster.file), key=f"{cluster.vars_key}.recipe") from None
 
 
 def check_fit(cluster: Cluster, loaded: LoadedRecipe) -> None:
@@ -147,7 +148,7 @@ def check_fit(cluster: Cluster, loaded: LoadedRecipe) -> None:
         raise InputError(
             f"recipe {r.name} needs {par.nodes} node(s) (tensor_parallel {par.tensor_parallel} = "
             f"{par.nodes} nodes x {par.gpus_per_node} GPU); the inventory has {len(cluster.hosts)}",
-            file=f, key="all.hosts")
+            file=f, key=cluster.hosts_key)
     for h in cluster.hosts:
         if h.hardware != r.hardware:
             raise InputError(f"host {h.name} is {h.hardware} but recipe {r.name} is for {r.hardware}",

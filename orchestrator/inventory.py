@@ -184,6 +184,17 @@ class Cluster:
         return tuple(h for h in self.hosts if h.name != self.head)
 
     @property
+    def vars_key(self) -> str:
+        """Where this deployment's variables are written: all.vars, or its entry of all.vars.deployments
+        (for error messages)."""
+        return f"all.vars.deployments.{self.name}" if self.deployments else "all.vars"
+
+    @property
+    def hosts_key(self) -> str:
+        """Where this deployment's hosts are listed: all.hosts, or its entry's hosts list."""
+        return f"{self.vars_key}.hosts" if self.deployments else "all.hosts"
+
+    @property
     def peers(self) -> tuple[str, ...]:
         """The inventory's other deployments."""
         return tuple(n for n in self.deployments if n != self.name)

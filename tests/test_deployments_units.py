@@ -77,6 +77,22 @@ def test_bad_deployments_name_the_key(tmp_path, deps, name, key, words):
     assert e.value.exit_code == 2
 
 
+@pytest.mark.parametrize("entry, key, words", [
+    ({"hosts": ["node1", "node2"], "recipe": "vllm-cpu"}, "all.vars.deployments.a.hosts",
+     "recipe vllm-cpu needs 1 node(s)"),
+    ({"hosts": ["node1"], "recipe": "no-such-recipe"}, "all.vars.deployments.a.recipe", "no-such-recipe"),
+    ({"hosts": ["node1"], "recipe": "recipes/nope.yml"}, "all.vars.deployments.a.recipe", "no recipe file"),
+    ({"hosts": ["node1"]}, "all.vars.deployments.a.recipe", "set all.vars.deployments.a.recipe"),
+])
+def test_a_deployments_recipe_errors_name_its_own_keys(tmp_path, entry, key, words):
+    """What does not fit between a deployment's recipe and its hosts names that deployment's entry,
+    not all.vars.recipe or all.hosts (where a one-deployment inventory has them)."""
+    with pytest.raises(InputError) as e:
+        load_deployment(InventoryRef.of(_write(tmp_path, {"a": entry}), "a"))
+    assert e.value.key == key and words in str(e.value), (e.value.key, str(e.value))
+    assert e.value.exit_code == 2
+
+
 def test_a_rank_or_a_cluster_wide_head_is_refused_beside_deployments(tmp_path):
     hosts = _hosts(4)
     hosts["node2"]["rank"] = 1
