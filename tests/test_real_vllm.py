@@ -48,6 +48,9 @@ NEW_TOKENS = 16
 REQUEST_WAIT_S = 10                   # after a rank died: how long the next request may take
 HEAD_WAIT_S = 5                       # ... and how long the head is watched for its exit
 FOUND: dict[str, object] = {}         # what one test measured and a later one compares
+# health.stay_up_s 1 (default 10): the stay-up wait is the double's to test (test_launch); here it
+# would add 9 s to each of the tier's engine starts
+STAY_UP = {"health.stay_up_s": 1}
 
 
 # ------------------------------------------------------------------------------------------ fixtures
@@ -93,9 +96,7 @@ def inventory(cluster, hub, d: Path, deployment: str, hosts, port: int, master_p
     for rank, h in enumerate(hosts):              # a subset of the cluster: ranks 0..N-1, its first host the head
         data["all"]["hosts"][h.name]["rank"] = rank
     v = data["all"]["vars"]
-    # health.stay_up_s 3 (default 10): the stay-up wait is the double's to test (test_launch); here
-    # it would add 7 s to each of the tier's engine starts
-    v["recipe_overrides"].update({"engine.master_port": master_port, "health.stay_up_s": 3, **(overrides or {})})
+    v["recipe_overrides"].update({"engine.master_port": master_port, **STAY_UP, **(overrides or {})})
     d.mkdir(parents=True, exist_ok=True)
     return _write(d / f"{deployment}.yml", data, {"api_port": port, "run_dir": str(d / "runs"), **more_vars})
 
@@ -689,7 +690,7 @@ def _routed_inventory(cluster, hub, d: Path) -> Path:
     node4.update(hardware="dgx-spark", gpus=1)
     for k in ("compute_cpus", "host_ram_gb"):
         node4.pop(k, None)
-    fast = {"health.stay_up_s": 3}
+    fast = dict(STAY_UP)
     a.update(api_port=18121, recipe_overrides={**a["recipe_overrides"], **fast, "engine.master_port": 29621})
     b.update(api_port=18122, api_key_file="b.key",
              recipe_overrides={**b["recipe_overrides"], **fast, "engine.master_port": 29622})
@@ -725,9 +726,9 @@ def test_three_deployments_behind_one_router(cluster, vllm_image, hub, double_im
     tiny model and served name) and the engine double on node4, each brought up by its own `up` behind
     the router `up` builds and runs on node1. Through the one endpoint each request reaches its model
     (each model's temperature-0 ids, via the router = direct; the two models differ), streaming works,
-    /v1/models lists all three; then, under a steady load on rva through the router, `down` of rvb, an
-    `up` of a changed rvb (another max-num-seqs: a new release) and its `rollback` (the first release's
-    arguments back, a release of its own) fail no request to rva."""
+    /v1/models lists all three; then, under a steady load on rva through the router, `down` of rvb and
+    an `up` of a changed rvb (another max-num-seqs: a new release) fail no request to rva; its
+    `rollback` brings the first release's arguments back as a release of its own, routed again."""
     from tests import synth, tiny_model
     from tests.cluster.demo import MODEL_B      # a second tiny Llama (another seed): other weights, other answers
     src = tiny_model.write(tmp_path / "b-src", tiny_model.TinyLlama(seed=4321, served_name="tiny-llama-b"))
@@ -774,13 +775,14 @@ def test_three_deployments_behind_one_router(cluster, vllm_image, hub, double_im
             assert p.returncode == 0, out(p)
             assert json.loads(p.stdout)["release"]["number"] == 2
             assert max_num_seqs(cluster, "rvb", node3) == "4"
-            assert _router_ids(cluster, "tiny-llama-b") == ids_b
-            p = dctl("rollback", "-i", str(inv), "-d", "rvb", timeout=UP_TIMEOUT)
-            assert p.returncode == 0, out(p)
-            last = json.loads(dctl("history", "-i", str(inv), "-d", "rvb", "--json").stdout)["releases"][-1]
-            assert (last["number"], last["rollback_of"]) == (3, 1)
-            assert max_num_seqs(cluster, "rvb", node3) == "8", "the recipe's, as release 1 ran"
         assert load.done >= 10 and load.failed == [], (load.done, load.failed[:3])
+        # its rollback: release 1's arguments back, a release of its own, the router's entry for it
+        # again (the route stage as for any up: only rvb's entry is touched)
+        p = dctl("rollback", "-i", str(inv), "-d", "rvb", timeout=UP_TIMEOUT)
+        assert p.returncode == 0, out(p)
+        last = json.loads(dctl("history", "-i", str(inv), "-d", "rvb", "--json").stdout)["releases"][-1]
+        assert (last["number"], last["rollback_of"]) == (3, 1)
+        assert max_num_seqs(cluster, "rvb", node3) == "8", "the recipe's, as release 1 ran"
         assert _router_ids(cluster, "tiny-llama-b") == ids_b
         # status: every deployment and the router, one table
         p = dctl("status", "-i", str(inv), "--json")
@@ -810,20 +812,30 @@ def stream_events(host, port: int, body: dict, key: str | None) -> list[str]:
 
 
 class SteadyLoad:
-    """Two clients sending MODEL's completions through the router until the block ends, each a second
-    after its last answer (a steady load that leaves most of the 2 cores to the engine being replaced:
-    at a quarter second, that engine's start took twice as long): how many were answered, and every
-    failure (status, body)."""
+    """Two clients sending MODEL's completions through the router until the block ends, together: a
+    pair of concurrent requests, then PAUSE_S (a steady load that leaves most of the 2 cores to the
+    engine being replaced: after each request vLLM's shm message queue readers busy-loop for 1 s,
+    vllm/distributed/device_communicators/shm_broadcast.py SpinCondition busy_loop_s, so requests
+    closer than that keep rva's processes spinning on both cores, and an engine started beside them
+    took 65-125 s instead of 35 s): how many were answered, and every failure (status, body)."""
+
+    PAUSE_S = 2.5
 
     def __init__(self, cluster, model: str):
         import threading
         self.cluster, self.model, self.done, self.failed = cluster, model, 0, []
         self._stop = threading.Event()
+        self._pair = threading.Barrier(2)
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
         self._lock = threading.Lock()
 
     def _run(self) -> None:
+        import threading
         while not self._stop.is_set():
+            try:
+                self._pair.wait(timeout=120)           # both requests in flight at once
+            except threading.BrokenBarrierError:
+                return
             code, doc = _via(self.cluster, "/v1/completions", {"model": self.model, "prompt": "one two",
                                                                "max_tokens": 4, "temperature": 0})
             with self._lock:
@@ -831,7 +843,7 @@ class SteadyLoad:
                     self.done += 1
                 else:
                     self.failed.append((code, doc))
-            self._stop.wait(1.0)
+            self._stop.wait(self.PAUSE_S)
 
     def __enter__(self) -> "SteadyLoad":
         for t in self._threads:
@@ -840,6 +852,7 @@ class SteadyLoad:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        self._pair.abort()
         for t in self._threads:
             t.join(timeout=120)
 
