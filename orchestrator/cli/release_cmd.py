@@ -91,11 +91,12 @@ def rollback_command(inventory, as_json, verbose, quiet, to, sets, keep_on_failu
 
     Runs ship (only the layers a worker lacks), fetch-model and sync-model (the checkpoint commit the
     release served, fetched again only if the head lost it), the table stages (skipped when current),
-    launch, health, supervise and route (behind a router: its entry only, the others untouched), with the release's recorded overrides, `model.revision` set to that commit and
-    `engine.image` to its pin tag (`deployctl-release/<deployment>:<N>`, the exact image ID on every
-    node). Holds the deployment's lock. Success is a new release ("rollback of N"). Exit 1 with the
-    reason when it does not come up healthy; a commit that is neither on the head nor on the Hub is
-    refused before anything runs (before launch touches what runs, with model_fetch: none).
+    launch, health, supervise and route (behind a router: its entry only, the others untouched), with
+    the release's recorded overrides, `model.revision` set to that commit and `engine.image` to its pin
+    tag (`deployctl-release/<deployment>:<N>`, the exact image ID on every node). Holds the deployment's
+    lock. Success is a new release ("rollback of N"). Exit 1 with the reason when it does not come up
+    healthy; a commit that is neither on the head nor on the Hub is refused before anything runs (before
+    launch touches what runs, with model_fetch: none).
     """
     dep = load_deployment(inventory)
     try:
