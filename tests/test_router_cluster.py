@@ -10,6 +10,7 @@ one deployment is replaced and rolled back: tests/test_real_vllm.py."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -73,10 +74,7 @@ def until(fn, timeout: float, what: str):
 
 def listener_nodelay(docker_host: str, port: int) -> int:
     """TCP_NODELAY of the router's listening socket, read through its process (pidfd_getfd, as root here)."""
-    import ctypes
-    import os
-    import socket
-    from orchestrator.hostside.router_keeper import PIDFD_GETFD, _listening_fd
+    from orchestrator.hostside.router_keeper import _listening_fd, borrowed_socket
     pids = _docker(docker_host, "top", "deployctl-router", "-eo", "pid,comm").stdout.split("\n")[1:]
     for line in pids:
         f = line.split()
@@ -84,15 +82,8 @@ def listener_nodelay(docker_host: str, port: int) -> int:
             pid = int(f[0])
             fd = _listening_fd(pid, port)
             assert fd is not None, f"no listening socket on {port} in {pid}"
-            pidfd = os.pidfd_open(pid)
-            mine = ctypes.CDLL(None, use_errno=True).syscall(PIDFD_GETFD, pidfd, fd, 0)
-            os.close(pidfd)
-            assert mine >= 0, os.strerror(ctypes.get_errno())
-            s = socket.socket(fileno=mine)
-            try:
+            with borrowed_socket(pid, fd) as s:
                 return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-            finally:
-                s.close()
     raise AssertionError(f"no sglang::router process in deployctl-router: {pids}")
 
 

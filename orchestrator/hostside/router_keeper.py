@@ -31,6 +31,7 @@ per install) is the keeper's only credential (`--control-plane-api-keys id:name:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -231,6 +232,25 @@ def _listening_fd(pid: int, port: int) -> int | None:
 PIDFD_GETFD = 438        # the same number on x86_64 and aarch64 (asm-generic since Linux 5.6)
 
 
+@contextlib.contextmanager
+def borrowed_socket(pid: int, fd: int):
+    """A duplicate of process PID's socket FD (pidfd_getfd: needs ptrace rights over PID), closed
+    after; PID's own stays open. OSError when the kernel refuses."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        mine = ctypes.CDLL(None, use_errno=True).syscall(PIDFD_GETFD, pidfd, fd, 0)
+        if mine < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"pidfd_getfd: {os.strerror(err)}")
+    finally:
+        os.close(pidfd)
+    s = socket.socket(fileno=mine)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 def nodelay(pid: int, port: int, timeout_s: float = 120.0) -> str:
     """TCP_NODELAY on the router's listening socket (in process PID, our child), once it listens;
     Linux copies it to every connection accepted after. Why: sglang-router 0.3.2 leaves Nagle's
@@ -243,19 +263,11 @@ def nodelay(pid: int, port: int, timeout_s: float = 120.0) -> str:
             return "the router exited before it listened"
         fd = _listening_fd(pid, port)
         if fd is not None:
-            libc = ctypes.CDLL(None, use_errno=True)
-            pidfd = os.pidfd_open(pid)
             try:
-                mine = libc.syscall(PIDFD_GETFD, pidfd, fd, 0)
-                if mine < 0:
-                    return f"TCP_NODELAY not set: pidfd_getfd: {os.strerror(ctypes.get_errno())}"
-                s = socket.socket(fileno=mine)
-                try:
+                with borrowed_socket(pid, fd) as s:
                     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                finally:
-                    s.close()                # our duplicate only: the router's socket stays open
-            finally:
-                os.close(pidfd)
+            except OSError as e:
+                return f"TCP_NODELAY not set: {e.strerror or e}"
             return f"TCP_NODELAY set on the router's listening socket (port {port})"
         time.sleep(0.05)
     return f"TCP_NODELAY not set: the router did not listen on {port} within {timeout_s:g}s"
