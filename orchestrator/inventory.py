@@ -147,6 +147,13 @@ class Host:
     def ssh_url(self) -> str:
         return f"ssh://{self.user}@{self.address}:{self.port}"
 
+    @property
+    def arch(self) -> str:
+        """The host's machine architecture as `uname -m` names it (aarch64, x86_64): the inventory's
+        expect_arch, else its hardware kind's. The cluster's, never the controller's: preflight checks
+        that the host reports exactly this, so every later stage may plan with it."""
+        return self.expect_arch or KINDS[self.hardware].arch
+
 
 @dataclass(frozen=True)
 class Cluster:

@@ -93,7 +93,7 @@ def plan(dep, options: RunOptions):
         ram = round(node.host_ram_need_gb(), 2)
         gate = dep.recipe.engine.min_mem_available_gib
         cmds = commands(h, nvme, dep.name if gate else "")
-        arch = h.expect_arch or KINDS[h.hardware].arch
+        arch = h.arch
         gpus = (f"{h.gpus} GPU(s) + NVIDIA runtime" if "gpus" in cmds else
                 "GPU checks off (expect_gpus: false)" if not h.expect_gpus else "no GPUs declared")
         space = ", ".join(f"{n['need_gb']:.1f} GB free for {n['path']}" for n in nvme) or "no NVMe need"
