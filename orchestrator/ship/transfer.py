@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from .. import platforms
 from ..executors.docker_cli import docker_argv
 from ..executors.host_batch import run_batch
 from ..fsutil import atomic_write_text
@@ -74,6 +75,19 @@ class HeadImage:
     engine: EngineFacts = EngineFacts("")
     manifest: Manifest | None = None           # containerd store: read out of docker save (manifest_of)
     arch: str = ""                             # the image's GOARCH (picks the manifest of an index)
+    variant: str = ""                          # its config's variant (v8 for some arm64 images)
+
+    @property
+    def platform(self) -> str:
+        return platforms.describe(self.arch, self.variant)
+
+    def refusal_for(self, host: "Host") -> str | None:
+        """Why this image cannot be sent to HOST (its platform is not the host's), else None."""
+        if platforms.runs_on(self.arch, self.variant, host.arch):
+            return None
+        return (f"image {self.name} ({short(self.id)}) is {self.platform}, but {host.name} is {host.arch}: it "
+                f"would not run there. Build it on the head for the hosts' architecture (deployctl build), or "
+                f"put hosts of one architecture in the deployment")
 
     @property
     def config(self) -> str:
@@ -122,7 +136,8 @@ def inspect_head(s: "SSHSession", image: str, docker_host: str) -> HeadImage:
         raise ShipError(f"image {image} on the head has no layers to ship")
     return HeadImage(image, doc["Id"], diff_ids, int(doc.get("Size") or 0),
                      history_layer_sizes(history.stdout, len(diff_ids)) if history.rc == 0 else None,
-                     engine=facts_from_line(info.stdout), arch=str(doc.get("Architecture") or ""))
+                     engine=facts_from_line(info.stdout), arch=str(doc.get("Architecture") or ""),
+                     variant=str(doc.get("Variant") or ""))
 
 
 def with_manifest(s: "SSHSession", head: HeadImage, docker_host: str, cache_root: str | None) -> HeadImage:

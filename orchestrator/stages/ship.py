@@ -160,6 +160,9 @@ def apply(dep, actions, ctx):
         try:
             if head is None:
                 raise HostFailure(head_error or "the head's image is unknown")
+            refusal = head.refusal_for(w)
+            if refusal:                # nothing is sent: a worker of another architecture cannot run it
+                raise HostFailure(refusal)
             log.write(f"{head.name} on {head_host.name} is {head.id} ({len(head.diff_ids)} layers; "
                       f"{head.engine.describe()}" + (f"; config {head.config}" if head.config != head.id else "")
                       + ")")
