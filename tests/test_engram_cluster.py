@@ -195,6 +195,23 @@ def LOADED(s) -> dict:
     return D.engram_weights_loaded(str(s.ckpt))
 
 
+def launch_inventory(cluster, s, dep, path: Path, **more) -> Path:
+    """deployment LAUNCH_DEP on the 4 hosts over the module's checkpoint copies and staged folders,
+    with the engine double recording the Engram rows it reads (MORE: further recipe overrides)."""
+    sets = dict(x.split("=", 1) for x in s.cluster_sets)
+    overrides = {"model.repo": dep.recipe.model.repo, "model.checkpoint_gb": dep.recipe.model.checkpoint_gb,
+                 **{k: yaml.safe_load(v) for k, v in sets.items()},
+                 "engine.master_port": 29621, "engine.env.DOUBLE_RECORD_DIR": RECORD,
+                 "engine.env.DOUBLE_ENGRAM_SAMPLES": "32", **more}
+    # the test hosts are small: no host-memory gate, no page-cache drop before the start (where the
+    # recipe has them)
+    engine_fields = {f.name for f in dataclasses.fields(type(dep.recipe.engine))}
+    overrides.update({f"engine.{k}": v for k, v in (("min_mem_available_gib", 0), ("drop_caches", False))
+                      if k in engine_fields})
+    return write_inventory(cluster, path, LAUNCH_DEP, "deepseek-v41-flash-tp4", [h.name for h in cluster.hosts],
+                           LAUNCH_PORT, overrides)
+
+
 def test_engine_reads_the_staged_rows_in_every_container(engram_cluster, staged, double_image, tmp_path):
     """`deployctl up --only launch --only health` with the engine double as vLLM: every container gets
     DSV41_ENGRAM_DIR=/engram (its host's staged folder, mounted read-only); the double finds its rank's
@@ -203,18 +220,7 @@ def test_engine_reads_the_staged_rows_in_every_container(engram_cluster, staged,
     cluster, s, dep = engram_cluster
     p, _ = deployctl_stage(cluster.inventory_path, s.cluster_sets)      # current (earlier tests restage)
     assert p.returncode == 0, p.stderr
-    sets = dict(x.split("=", 1) for x in s.cluster_sets)
-    overrides = {"model.repo": dep.recipe.model.repo, "model.checkpoint_gb": dep.recipe.model.checkpoint_gb,
-                 **{k: yaml.safe_load(v) for k, v in sets.items()},
-                 "engine.master_port": 29621, "engine.env.DOUBLE_RECORD_DIR": RECORD,
-                 "engine.env.DOUBLE_ENGRAM_SAMPLES": "32"}
-    # the test hosts are small: no host-memory gate, no page-cache drop before the start (where the
-    # recipe has them)
-    engine_fields = {f.name for f in dataclasses.fields(type(dep.recipe.engine))}
-    overrides.update({f"engine.{k}": v for k, v in (("min_mem_available_gib", 0), ("drop_caches", False))
-                      if k in engine_fields})
-    inv = write_inventory(cluster, tmp_path / "inventory.yml", LAUNCH_DEP, "deepseek-v41-flash-tp4",
-                          [h.name for h in cluster.hosts], LAUNCH_PORT, overrides)
+    inv = launch_inventory(cluster, s, dep, tmp_path / "inventory.yml")
     launch_dep = load_deployment(inv)
     for h in launch_dep.cluster.hosts:      # the same checkpoint copies and staged folders as above
         assert launch_dep.checkpoint_dir(h) == dep.checkpoint_dir(h)
@@ -275,3 +281,68 @@ def test_auto_staging_links_a_nodes_own_checkpoint(engram_cluster, staged):
         assert p.returncode == 0, p.stderr
     for h in dep.cluster.hosts:
         s.check_dest(Path(dep.engram_dir(h)), 4, h.rank)
+
+
+UP_STAGES = ("--only", "sync-model", "--only", "stage-engram", "--only", "launch", "--only", "health")
+
+
+def test_a_rewritten_linked_shard_is_repaired_and_its_engine_restarted(engram_cluster, staged, double_image, tmp_path):
+    """#59, as an operator found it: `up` with engram.staging copy (the tests above), then `up` with
+    auto (each rank's Engram shards become hard links to its own checkpoint's, which the chain gave it
+    in part), then one byte of node3's rows of layer 1 flipped in the staged shard (the file the engine
+    reads), its mtime put back. The next `up` must not serve it: sync-model re-hashes the shard (its
+    ctime moved) and sends node3 the shard again, stage-engram relinks the new file, launch restarts
+    node3's engine on it; the staged byte, read here, equals the head's checkpoint's, and the restarted
+    engine's record of that row is the checkpoint's."""
+    cluster, s, dep = engram_cluster
+    inv = launch_inventory(cluster, s, dep, tmp_path / "inventory.yml", **{"engram.staging": "auto"})
+    node3, head = dep.cluster.host("node3"), dep.cluster.head_host
+    t = s.tensors[WEIGHT.format(layer=1)]
+    lo, _ = s.expected_range(1, 4, node3.rank)
+    at = t.offset + lo * t.row_bytes                       # the first byte of node3's first row of layer 1
+    staged = Path(dep.engram_dir(node3)) / t.file.name
+    theirs = Path(dep.checkpoint_dir(head)) / t.file.name
+
+    def read_byte(path: Path) -> bytes:
+        with open(path, "rb") as fh:
+            return os.pread(fh.fileno(), 1, at)
+    remove_all(cluster, LAUNCH_DEP)
+    try:
+        p = dctl("up", "-i", str(inv), *UP_STAGES, "--json", timeout=400)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        res = {(r["stage"], r["host"]): r for st in json.loads(p.stdout)["stages"] for r in st["results"]}
+        assert res[("stage-engram", "node3")]["data"]["mode"] == "link", res[("stage-engram", "node3")]
+        a, b = staged.stat(), (Path(dep.checkpoint_dir(node3)) / t.file.name).stat()
+        assert (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino), "node3's staged shard is its checkpoint's own file"
+        (before,) = containers(cluster, "node3", LAUNCH_DEP)
+        good = read_byte(theirs)
+        assert read_byte(staged) == good
+        st = staged.stat()
+        with open(staged, "r+b") as fh:                    # a careless tool: one byte, the mtime put back
+            os.pwrite(fh.fileno(), bytes([good[0] ^ 0xFF]), at)
+        os.utime(staged, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert read_byte(staged) != good and staged.stat().st_mtime_ns == st.st_mtime_ns
+
+        p = dctl("up", "-i", str(inv), *UP_STAGES, "--json", timeout=400)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        res = {(r["stage"], r["host"]): r for st in json.loads(p.stdout)["stages"] for r in st["results"]}
+        sync, stg = res[("sync-model", "node3")], res[("stage-engram", "node3")]
+        assert sync["status"] == "ok" and t.file.name in sync["data"]["to_send"], sync
+        assert stg["status"] == "ok" and stg["data"]["mode"] == "link", stg
+        assert read_byte(staged) == read_byte(theirs) == good, "node3 serves the head's byte again"
+        (after,) = containers(cluster, "node3", LAUNCH_DEP)
+        assert after != before, "node3's engine restarted on the repaired rows"
+        rec = _docker(node3.docker_host, "exec", after, "cat", f"{RECORD}/engram-rows-rank{node3.rank}.json")
+        assert rec.returncode == 0, rec.stderr
+        got = json.loads(rec.stdout)["layers"]["1"]
+        assert got["source"] == "local" and str(lo) in got["rows"], got
+        assert got["rows"][str(lo)][0] == hashlib.sha256(read_rows(t, lo, lo + 1)).hexdigest()
+        for h in ("node2", "node4"):                       # the other workers had nothing to repair
+            assert res[("sync-model", h)]["status"] == "skipped", res[("sync-model", h)]
+        for h in ("node1", "node2", "node4"):
+            assert res[("stage-engram", h)]["status"] == "skipped", res[("stage-engram", h)]
+    finally:
+        dctl("down", "-i", str(inv), timeout=180)
+        remove_all(cluster, LAUNCH_DEP)
+        p, _ = deployctl_stage(cluster.inventory_path, s.cluster_sets)    # back to copies, as the module left it
+        assert p.returncode == 0, p.stderr

@@ -121,6 +121,68 @@ def test_link_mode_links_every_shard_and_copies_nothing(synth, tmp_path):
     assert not engram_spec(r, 1).link
 
 
+def test_a_linked_shard_written_since_is_refused_until_sync_model_has_hashed_it(tmp_path):
+    """#59: a linked shard has no chunk hashes of its own; its proof is its stamp and sync-model's hash
+    of it. The stager restamps sync-model's hash cache around its own link (the next manifest hashes
+    nothing); a byte flipped in the staged shard with its mtime put back moves ctime: the stage refuses
+    (exit 1, naming the file, the manifest kept: a restage would link the same bytes again), launch's
+    check says not current, sync-model's next manifest re-hashes it; a shard replaced by the repair is
+    relinked. A shard touched but intact stands again once sync-model has hashed it."""
+    from orchestrator.hostside import modelsync as M
+    s = Synth(tmp_path / "s", [1, 14], [50, 60, 70], 8, 32, 1, seed=3)
+    cache, dest = str(tmp_path / "nvme" / "c.json"), tmp_path / "d"
+    spec = s.spec(4, 2, staging="auto")
+
+    def manifest() -> dict:
+        return M.op_manifest({"root": str(s.ckpt), "cache": cache, "rehash": False, "require": [], "tensor": [],
+                              "marker": ""})
+    first = manifest()
+    sha = {rel: h for rel, _, h in first["files"]}
+    res = op.stage(spec, s.ckpt, dest, hash_cache=cache)
+    assert res["status"] == "ok" and res["mode"] == "link", res
+    m = json.loads((dest / "engram-manifest.json").read_text())
+    assert all(fe["verified"] == sha[fe["name"]] for fe in m["files"])
+    assert manifest()["hashed_bytes"] == 0, "the stager restamped the hash cache around its links"
+    t = s.tensors[WEIGHT.format(layer=1)]
+    lo, _ = s.expected_range(1, 4, 2)
+    staged = dest / t.file.name
+    st = staged.stat()
+    with open(staged, "r+b") as fh:                     # one byte of rank 2's first row, the mtime put back
+        off = t.offset + lo * 32
+        byte = os.pread(fh.fileno(), 1, off)
+        os.pwrite(fh.fileno(), bytes([byte[0] ^ 0xFF]), off)
+    os.utime(staged, ns=(st.st_atime_ns, st.st_mtime_ns))
+    chk = op.check(spec, s.ckpt, dest, hash_cache=cache)
+    assert chk["up_to_date"] is False and str(staged) in chk["reason"] and "ctime changed" in chk["reason"], chk
+    assert "sync-model" in chk["reason"]
+    with pytest.raises(ec.LinkChanged, match=re.escape(str(staged))):
+        op.stage(spec, s.ckpt, dest, hash_cache=cache)
+    assert (dest / "engram-manifest.json").exists(), "kept: a restage would link the same bytes"
+    again = manifest()                                  # sync-model sees the write too
+    assert again["hashed_bytes"] == t.file.stat().st_size
+    assert {r: h for r, _, h in again["files"]}[t.file.name] != sha[t.file.name]
+    with pytest.raises(ec.LinkChanged, match="sync-model found other bytes"):
+        op.stage(spec, s.ckpt, dest, hash_cache=cache)
+    # the repair (sync-model writes a new file and renames it over the shard): relinked, served right
+    good = bytearray(t.file.read_bytes())
+    good[off] ^= 0xFF
+    new = t.file.with_name(t.file.name + ".new")
+    new.write_bytes(bytes(good))
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(new, t.file)
+    assert manifest()["hashed_bytes"] == t.file.stat().st_size
+    res = op.stage(spec, s.ckpt, dest, hash_cache=cache)
+    assert res["status"] == "ok" and "no longer a link" in res["reason"], res
+    assert hashlib.sha256(staged.read_bytes()).hexdigest() == sha[t.file.name]
+    # touched but intact (chmod moves ctime): refused until sync-model has hashed it, then proven
+    os.chmod(t.file, 0o600)
+    assert op.check(spec, s.ckpt, dest, hash_cache=cache)["up_to_date"] is False
+    assert manifest()["hashed_bytes"] == t.file.stat().st_size
+    res = op.stage(spec, s.ckpt, dest, hash_cache=cache)
+    assert res["status"] == "skipped" and "sync-model hashed it since: equal" in res["reason"], res
+    assert op.stage(spec, s.ckpt, dest, hash_cache=cache)["status"] == "skipped"
+
+
 def test_link_refused_falls_back_to_copy(synth, tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise OSError(18, "Invalid cross-device link")

@@ -66,38 +66,82 @@ def test_manifest_follows_links_and_caches(tmp_path):
     assert forced["hashed_bytes"] == m["hashed_bytes"]
 
 
-def test_a_hard_link_is_not_a_change_but_a_write_that_restored_mtime_is(tmp_path):
-    """#33: stage-engram hard-links the Engram shards' blobs; link(2) moves their ctime and link
-    count only. The head's manifest and fetch-model's check must not re-hash them for that; a rewrite
-    that put the mtime back (the link count unchanged) must still be caught."""
+def test_a_hard_link_is_no_change_only_when_its_maker_restamps_and_a_write_always_is(tmp_path):
+    """#33, #59: stage-engram hard-links the Engram shards' blobs; link(2) and unlink(2) move their
+    ctime and link count, not a byte. The head's manifest and fetch-model's check hash nothing for a
+    link whose maker restamped their records (what engram_stage.py does around its own links), and
+    catch every write, above all one that put the mtime back after the link count moved (#59: the
+    stamp was taken before the link, so a moved link count once excused the write too)."""
     from orchestrator.hostside import hubfetch
+    from orchestrator.hostside import modelsync as M
     snap = hf_repo(tmp_path / "models--o--m", FILES)
     cache = tmp_path / "nvme" / "c.json"
     shard = snap / "model-00001-of-00002.safetensors"
+    staged = tmp_path / "staged" / shard.name
+    staged.parent.mkdir()
     _, m, _ = hostside("manifest", "--root", str(snap), "--cache", str(cache))
-    st0 = shard.stat()
     job = {"model_cache": str(tmp_path), "repo": "o/m", "commit": snap.name, "state": str(tmp_path / "state.json"),
            "files": [{"name": n, "size": len(d), "sha256": "x" * 64, "blob_id": ""} for n, d in FILES.items()]}
-    hubfetch.write_json(job["state"], {"version": hubfetch.STATE_VERSION, "repo": "o/m", "commits": {snap.name: {
-        "files": {f["name"]: {"etag": "x" * 64, "stat": hubfetch.stat_key((snap / f["name"]).stat()),
-                              "nlink": (snap / f["name"]).stat().st_nlink} for f in job["files"]}}}})
-    (tmp_path / "staged").mkdir()
-    os.link(os.path.realpath(shard), tmp_path / "staged" / shard.name)        # what engram_stage.py does
-    assert shard.stat().st_ctime_ns != st0.st_ctime_ns and shard.stat().st_nlink == 2
+
+    def stamp_state() -> None:
+        hubfetch.write_json(job["state"], {"version": hubfetch.STATE_VERSION, "repo": "o/m", "commits": {snap.name: {
+            "files": {f["name"]: {"etag": "x" * 64, "stat": hubfetch.stat_key((snap / f["name"]).stat()),
+                                  "nlink": (snap / f["name"]).stat().st_nlink} for f in job["files"]}}}})
+
+    def linked(step) -> None:
+        """STEP (a link or unlink of the shard's blob), restamped by its maker as engram_stage does."""
+        before = shard.stat()
+        step()
+        move = M.link_move(before, shard.stat())
+        assert move is not None
+        assert M.restamp(str(cache), str(snap), {shard.name: [move]}) == [shard.name]
+        assert hubfetch.restamp(job["state"], [move]) == 1
+
+    def write_keeping_mtime() -> None:
+        st = shard.stat()
+        with open(shard, "r+b") as fh:
+            fh.write(os.urandom(8))
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    # a link nobody restamped: taken for a write (one re-hash of that file, never a missed write)
+    stamp_state()
+    os.link(os.path.realpath(shard), staged)
+    _, again, _ = hostside("manifest", "--root", str(snap), "--cache", str(cache))
+    assert again["files"] == m["files"] and again["hashed_bytes"] == len(FILES[shard.name])
+    assert [f["name"] for f in hubfetch.plan_files(job)[1]] == [shard.name]
+    # #59: linked (the stamp taken before), then written with the mtime put back: the link count
+    # moved as well, and the write must still show, on the head's manifest and in fetch-model's check
+    staged.unlink()
+    _, m, _ = hostside("manifest", "--root", str(snap), "--cache", str(cache))
+    stamp_state()
+    os.link(os.path.realpath(shard), staged)
+    write_keeping_mtime()
+    _, third, _ = hostside("manifest", "--root", str(snap), "--cache", str(cache))
+    assert third["hashed_bytes"] == len(FILES[shard.name]) and third["files"] != m["files"]
+    assert [f["name"] for f in hubfetch.plan_files(job)[1]] == [shard.name]
+    # the linker restamps: its link and its unlink cost nothing, on the head or in fetch-model's check
+    staged.unlink()
+    m = hostside("manifest", "--root", str(snap), "--cache", str(cache))[1]
+    stamp_state()
+    linked(lambda: os.link(os.path.realpath(shard), staged))
     _, again, _ = hostside("manifest", "--root", str(snap), "--cache", str(cache))
     assert again["files"] == m["files"] and again["hashed_bytes"] == 0
     done, todo, _ = hubfetch.plan_files(job)
     assert len(done) == len(FILES) and todo == []
-    (tmp_path / "staged" / shard.name).unlink()                                 # and removed again
+    linked(staged.unlink)
     assert hostside("manifest", "--root", str(snap), "--cache", str(cache))[1]["hashed_bytes"] == 0
-    st = shard.stat()                                                           # a write, mtime put back
-    with open(shard, "r+b") as fh:
-        fh.write(b"\0" * 8)
-    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
-    _, third, _ = hostside("manifest", "--root", str(snap), "--cache", str(cache))
-    assert third["hashed_bytes"] == len(FILES[shard.name]) and third["files"] != m["files"]
-    done, todo, _ = hubfetch.plan_files(job)
-    assert [f["name"] for f in todo] == [shard.name]
+    assert hubfetch.plan_files(job)[1] == []
+    # ... and a write after a restamped link (the link count unchanged since) is a write
+    linked(lambda: os.link(os.path.realpath(shard), staged))
+    write_keeping_mtime()
+    _, fourth, _ = hostside("manifest", "--root", str(snap), "--cache", str(cache))
+    assert fourth["hashed_bytes"] == len(FILES[shard.name]) and fourth["files"] != m["files"]
+    assert [f["name"] for f in hubfetch.plan_files(job)[1]] == [shard.name]
+    # a restamp never excuses what happened before it: an entry not current at the link stays stale
+    write_keeping_mtime()
+    before = shard.stat()
+    staged.unlink()
+    assert M.restamp(str(cache), str(snap), {shard.name: [M.link_move(before, shard.stat())]}) == []
 
 
 def test_manifest_errors_name_the_fix(tmp_path):

@@ -12,6 +12,7 @@ import struct
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from ..errors import StageFailed
 from .engram_spec import (FIDELITY_SAMPLES, LOCAL_NAME, MANIFEST_NAME, RankMismatch, Sources, Spec,
                           VerifyFailed)
 from .safetensors import INDEX_NAME, MAX_HEADER
@@ -113,10 +114,12 @@ def fidelity_check(spec: Spec, sources: Sources, dest: Path, rng: random.Random 
 
 
 
-def verify_files(dest: Path, manifest: Mapping[str, Any], threads: int) -> int:
+def verify_files(dest: Path, manifest: Mapping[str, Any], threads: int,
+                 link_value: "LinkValue | None" = None) -> int:
     """Re-hash every staged chunk (from the disk: cached pages are dropped first) and every header
     against the manifest, and the index (prove_staged in full). Returns the bytes hashed; raises
-    VerifyFailed naming the file, the chunk and its byte range."""
+    VerifyFailed naming the file, the chunk and its byte range (LinkChanged: a linked shard written
+    since it was staged, which no restage repairs)."""
     for fe in manifest["files"]:
         path = dest / fe["name"]
         try:
@@ -125,7 +128,9 @@ def verify_files(dest: Path, manifest: Mapping[str, Any], threads: int) -> int:
             raise VerifyFailed(f"{path}: missing (listed in {MANIFEST_NAME})") from None
         if size != fe["size"]:
             raise VerifyFailed(f"{path}: {size} bytes, the manifest says {fe['size']}")
-    proof = prove_staged(dest, manifest, full_check=True, workers=threads)
+    proof = prove_staged(dest, manifest, full_check=True, workers=threads, link_value=link_value)
+    if proof.refused:
+        raise LinkChanged(link_refusal(proof.refused))
     if proof.bad:
         bad = proof.bad
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
@@ -135,14 +140,35 @@ def verify_files(dest: Path, manifest: Mapping[str, Any], threads: int) -> int:
 
 
 
+LinkValue = Callable[[str, os.stat_result], "str | None"]
+
+
+class LinkChanged(StageFailed):
+    """A linked shard was written since it was staged and nothing has checked it since: refused (exit
+    1), the manifest kept (a restage would link the very same bytes again)."""
+
+
+def link_refusal(refused: list[str]) -> str:
+    more = f" and {len(refused) - 3} more" if len(refused) > 3 else ""
+    return (f"refused: {'; '.join(refused[:3])}{more}. A linked shard is the checkpoint's own file, so "
+            "restaging would link the same bytes again: run `deployctl sync-model` (or `deployctl up`), which "
+            "re-hashes it against the head's sha256 and repairs it, then stage again")
+
+
 def prove_staged(dest: Path, manifest: Mapping[str, Any], sample_bytes: int | None = None,
-                 full_check: bool = False, workers: int | None = None) -> tableproof.Proof:
+                 full_check: bool = False, workers: int | None = None,
+                 link_value: LinkValue | None = None) -> tableproof.Proof:
     """What every `up` and `launch` runs on a folder its manifest calls current (tableproof.py): the
     index and every header against the manifest, then the copies' chunks: in full for a file whose
     stat stamp changed (every file with FULL_CHECK: verify_files), else the next window of the sample.
-    A link's rows are the checkpoint's own bytes (sync-model proves those): it must still be a link
-    to the checkpoint's shard, and only its header is read."""
-    files, bad = [], []
+    A link's rows are the checkpoint's own bytes, which sync-model proves against the head: it must
+    still be a link to the checkpoint's shard, its header is read, and its stat stamp must be the one
+    recorded when it was linked. A link whose stamp moved (a write, even one that put the mtime back,
+    moves ctime) stands only if sync-model has hashed the shard in its current state since
+    (LINK_VALUE(name, stat): its hash cache's value at exactly this stat) and found what it found when
+    the link was made (the manifest's `verified`); otherwise it is refused (`Proof.refused`): a
+    restage would link the same bytes again, only sync-model repairs them."""
+    files, bad, refused, vouched = [], [], [], {}
     if file_sha256(dest / INDEX_NAME) != manifest.get("index", {}).get("sha256"):
         bad.append(f"{dest / INDEX_NAME} (missing or changed)")
     for fe in manifest.get("files", []):
@@ -159,6 +185,16 @@ def prove_staged(dest: Path, manifest: Mapping[str, Any], sample_bytes: int | No
             src = Path(manifest.get("source", {}).get("checkpoint", "")) / fe["name"]
             if not same_inode(path, src):
                 bad.append(f"{path} (no longer a hard link to {src})")
+                continue
+            why = tableproof.stamp_change(path, fe.get("stat"))
+            if why:
+                value = link_value(fe["name"], os.stat(path)) if link_value else None
+                if value is not None and fe.get("verified") in (None, value):
+                    vouched[str(path)] = tableproof.stamp(path)
+                else:
+                    seen = ("sync-model has not hashed it since" if value is None else
+                            "sync-model found other bytes there than when it was linked")
+                    refused.append(f"{path} ({why} since it was staged, whatever its mtime says; {seen})")
         else:
             spans = tuple((p["offset"], p["length"]) for p in fe["pieces"] if p["length"])
             files.append(tableproof.TableFile(str(path), spans, fe["chunk_bytes"], tuple(fe["sha256"]),
@@ -166,6 +202,9 @@ def prove_staged(dest: Path, manifest: Mapping[str, Any], sample_bytes: int | No
     proof = tableproof.prove(files, sample_bytes, full_check=full_check, state=dest / tableproof.STATE_NAME,
                              workers=workers)
     proof.bad[:0] = bad
+    proof.refused += refused
+    proof.refreshed.update(vouched)
+    proof.full += [f"{Path(p).name}: a link, its stamp moved, sync-model hashed it since: equal" for p in vouched]
     return proof
 
 

@@ -5,7 +5,7 @@ Runs on the node (from the zipapp: `python3 deployctl-tables-*.pyz engram-stage 
 (`deployctl engram stage`); standard library only. Usage:
 
     engram-stage --spec SPEC.json --checkpoint DIR --dest DIR [--verify] [--check] [--check-rank]
-                 [--rank R] [--threads N]
+                 [--rank R] [--threads N] [--hash-cache FILE] [--fetch-state FILE]
 
 Prints progress on stderr and one JSON object as the last stdout line:
     {"op": "engram-stage", "status": "ok" | "skipped" | "failed" | "check" | "rank-ok", ...}
@@ -38,6 +38,16 @@ engine what reading a copy costs; docs/engram-contract.md has the figures). The 
 the links' inodes instead of chunk hashes; a shard replaced in the checkpoint (a new inode) is
 relinked. A filesystem that refuses the link (EXDEV, EPERM, ...) gets copies.
 
+Links and the hash caches: link(2) and unlink(2) move a shard's ctime and link count, which the stamps
+other ops keep of the checkpoint's files (sync-model's hash cache, --hash-cache; fetch-model's state on
+the head, --fetch-state) take for a write. The op stats the checkpoint's Engram shards around each of
+its own link and unlink steps and restamps those records that were current just before (`_Restamps`),
+so the next no-op hashes nothing, while a write before or after still shows. A linked shard has no
+chunk hashes of its own: its manifest entry keeps the hash cache's value at link time (`verified`), and
+the proof of a link whose stamp moved since asks the hash cache again (engram_checks.prove_staged):
+hashed by sync-model in its current state and equal -> proven; else refused (exit 1, naming the file,
+the manifest kept): restaging would link the same bytes, only sync-model repairs them.
+
 Atomicity: the old manifest and engram-local.json are removed (and the folder fsynced) before any data
 is touched: from then on the engine falls back to the model folder for this folder. Shard copies are
 written under temporary names (.NAME.tmp), fsynced and renamed; then the index (atomically); the
@@ -57,6 +67,7 @@ recorded but does not force a restage (changing an engine flag must not copy 49 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -70,9 +81,10 @@ from typing import Any, Callable, Mapping
 
 from ..errors import DeployctlError, InputError, StageFailed
 from ..fsutil import atomic_write_bytes, atomic_write_text, fsync_dir
-from . import bulkcopy
+from . import bulkcopy, hubfetch, modelsync
 from . import tableproof
-from .engram_checks import check_rank, fidelity_check, file_sha256, prove_staged, same_inode, verify_files
+from .engram_checks import (LinkChanged, check_rank, fidelity_check, file_sha256, link_refusal, prove_staged,
+                            same_inode, verify_files)
 from .engram_spec import (LOCAL_NAME, LOCK_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, OutFile,
                           Sources, Spec, VerifyFailed, index_allocated, load_spec, local_ranges, out_files,
                           resolve_sources)
@@ -167,13 +179,17 @@ def up_to_date(spec: Spec, sources: Sources, dest: Path, files: list[OutFile]) -
                   f"({len(ident)} source files: same sizes, mtimes and header digests; same index)")
 
 
-def proven(dest: Path, sample_bytes: int, full_check: bool = False) -> tuple[bool, str, dict[str, Any]]:
+def proven(dest: Path, sample_bytes: int, full_check: bool = False,
+           link_value: "Callable[[str, os.stat_result], str | None] | None" = None) -> tuple[bool, str, dict[str, Any]]:
     """(True, what was checked) when the staged bytes still match the manifest (engram_checks.
     prove_staged: a sample, or every chunk of a file touched since it was staged); else (False, why)
     and the manifest is removed, so this run (or the next) restages instead of serving bad rows. A
-    touched file found intact gets its new stat recorded."""
+    touched file found intact gets its new stat recorded. Raises LinkChanged for a linked shard
+    written since and not re-verified by sync-model (a restage would not repair it)."""
     manifest = read_json(dest / MANIFEST_NAME)
-    proof = prove_staged(dest, manifest, sample_bytes, full_check)
+    proof = prove_staged(dest, manifest, sample_bytes, full_check, link_value=link_value)
+    if proof.refused:
+        raise LinkChanged(link_refusal(proof.refused))
     if not proof.ok:
         invalidate_manifest(dest)
         more = f" and {len(proof.bad) - 3} more" if len(proof.bad) > 3 else ""
@@ -191,6 +207,54 @@ def refresh_stamps(dest: Path, manifest: dict[str, Any], stamps: Mapping[str, di
         if new:
             fe["stat"] = new
     atomic_write_text(dest / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
+
+
+class _Restamps:
+    """The stamps other ops keep of this host's checkpoint files (sync-model's hash cache, HASH_CACHE;
+    fetch-model's state on the head, FETCH_STATE), kept current across this op's own link(2) and
+    unlink(2) of the Engram shards: `around()` stats the shards before and after one such step and
+    `apply()` restamps the records that were current before it (hostside/modelsync.py `restamp`,
+    hostside/hubfetch.py `restamp`). A record already stale stays stale: a write is never excused."""
+
+    def __init__(self, sources: Sources, hash_cache: str | None, fetch_state: str | None):
+        self.sources, self.hash_cache, self.fetch_state = sources, hash_cache, fetch_state
+        self.moves: dict[str, list] = {}
+
+    def _stats(self) -> dict[str, os.stat_result]:
+        out = {}
+        for name in self.sources.files():
+            try:
+                out[name] = os.stat(self.sources.checkpoint.folder / name)
+            except OSError:
+                pass
+        return out
+
+    @contextlib.contextmanager
+    def around(self):
+        before = self._stats()
+        try:
+            yield
+        finally:
+            after = self._stats()
+            for name, b in before.items():
+                move = modelsync.link_move(b, after[name]) if name in after else None
+                if move:
+                    self.moves.setdefault(name, []).append(move)
+
+    def value(self, name: str, st: os.stat_result) -> str | None:
+        """The hash cache's value for checkpoint file NAME at exactly ST (None: none, or no cache)."""
+        if not self.hash_cache:
+            return None
+        return modelsync.cached_value(self.hash_cache, str(self.sources.checkpoint.folder), name, st)
+
+    def apply(self) -> None:
+        if not self.moves:
+            return
+        if self.hash_cache:
+            modelsync.restamp(self.hash_cache, str(self.sources.checkpoint.folder), self.moves)
+        if self.fetch_state:
+            hubfetch.restamp(self.fetch_state, [m for chain in self.moves.values() for m in chain])
+        self.moves = {}
 
 
 def free_bytes(path: Path) -> int:
@@ -289,8 +353,10 @@ def default_threads() -> int:
 
 
 def stage(spec: Spec, checkpoint: str | Path, dest: str | Path, *, verify: bool = False,
-          threads: int | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Stage (or skip, or verify) spec.rank's rows into `dest`. Returns the result document."""
+          threads: int | None = None, log: Callable[[str], None] | None = None,
+          hash_cache: str | None = None, fetch_state: str | None = None) -> dict[str, Any]:
+    """Stage (or skip, or verify) spec.rank's rows into `dest`. Returns the result document.
+    HASH_CACHE, FETCH_STATE: the checkpoint's stamps this op keeps current across its links (_Restamps)."""
     t0 = time.monotonic()
     dest = Path(dest).absolute()
     threads = threads or default_threads()
@@ -300,68 +366,81 @@ def stage(spec: Spec, checkpoint: str | Path, dest: str | Path, *, verify: bool 
     base = {"op": "engram-stage", "dest": str(dest), "rank": spec.rank, "tp": spec.tp, "layout": spec.layout,
             "ranges": local_ranges(spec), "bytes": sum(f.length for f in files), "mode": mode}
     dest.mkdir(parents=True, exist_ok=True)
+    stamps = _Restamps(sources, hash_cache, fetch_state)
     with _Lock(dest):
-        current, why = up_to_date(spec, sources, dest, files)
-        if current and not verify:
-            current, proof, _ = proven(dest, spec.sample_bytes)
-            if current:
-                return {**base, "status": "skipped", "reason": f"{why}; proven: {proof}",
-                        "seconds": round(time.monotonic() - t0, 3)}
-            why = proof
-        if current:
-            manifest = read_json(dest / MANIFEST_NAME)
-            try:
-                n = verify_files(dest, manifest, threads)
-                rows = fidelity_check(spec, sources, dest)
-            except VerifyFailed:
-                invalidate_manifest(dest)
-                raise
-            refresh_stamps(dest, manifest, {str(dest / fe["name"]): tableproof.stamp(dest / fe["name"])
-                                            for fe in manifest["files"]})
-            what = ("every link is still the checkpoint's shard, headers match" if mode == "link"
-                    else "every chunk's sha256 matches")
-            return {**base, "status": "skipped", "verified": True, "verified_bytes": n, "fidelity_rows": rows,
-                    "reason": f"{why}; verified: {what} and {rows} rows match the checkpoint",
-                    "seconds": round(time.monotonic() - t0, 3)}
-        _say(log, f"staging rank {spec.rank} of {spec.tp} ({spec.layout}, {mode_why}) into {dest}: {why}")
-        space = space_report(spec, sources, dest, files, False)
-        if not space["ok"]:
-            raise StageFailed(_space_message(space))
-        invalidate(dest)
-        written = None
-        if mode == "link":
-            try:
-                written = _link_files(spec, sources, dest, files)
-            except OSError as e:
-                _say(log, f"hard links refused ({e}); copying the rank's rows instead")
-                mode, files = "copy", out_files(spec, sources, "copy")
-                base = {**base, "mode": mode}
-                space = space_report(spec, sources, dest, files, False)
-                if not space["ok"]:
-                    raise StageFailed(_space_message(space)) from None
-        if written is None:
-            written = _write_files(spec, sources, dest, files, threads, log)
-        atomic_write_bytes(dest / INDEX_NAME, sources.index)
         try:
+            return _stage(spec, sources, dest, files, mode, mode_why, base, stamps, verify, threads, log, t0)
+        finally:
+            stamps.apply()
+
+
+def _stage(spec: Spec, sources: Sources, dest: Path, files: list[OutFile], mode: str, mode_why: str,
+           base: dict[str, Any], stamps: _Restamps, verify: bool, threads: int,
+           log: Callable[[str], None] | None, t0: float) -> dict[str, Any]:
+    current, why = up_to_date(spec, sources, dest, files)
+    if current and not verify:
+        current, proof, _ = proven(dest, spec.sample_bytes, link_value=stamps.value)
+        if current:
+            return {**base, "status": "skipped", "reason": f"{why}; proven: {proof}",
+                    "seconds": round(time.monotonic() - t0, 3)}
+        why = proof
+    if current:
+        manifest = read_json(dest / MANIFEST_NAME)
+        try:
+            n = verify_files(dest, manifest, threads, stamps.value)
             rows = fidelity_check(spec, sources, dest)
         except VerifyFailed:
-            invalidate(dest)
+            invalidate_manifest(dest)
             raise
-        mfiles = [{**_manifest_file(f, *written[f.name]), "stat": tableproof.stamp(dest / f.name)} for f in files]
-        manifest = _manifest(spec, sources, files, mfiles, time.monotonic() - t0)
-        verified = None
-        if verify:
-            verified = verify_files(dest, manifest, threads)
-        atomic_write_text(dest / LOCAL_NAME, json.dumps({"layers": local_ranges(spec)}) + "\n")
-        atomic_write_text(dest / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
-        secs = time.monotonic() - t0
-        out = {**base, "status": "ok", "reason": why, "seconds": round(secs, 3),
-               "mb_per_s": round(base["bytes"] / max(secs, 1e-9) / 1e6, 1), "fidelity_rows": rows,
-               "allocated_bytes": manifest["allocated_bytes"], "files": [f.name for f in files],
-               "bytes_written": 0 if mode == "link" else base["bytes"]}
-        if verified is not None:
-            out["verified"], out["verified_bytes"] = True, verified
-        return out
+        refresh_stamps(dest, manifest, {str(dest / fe["name"]): tableproof.stamp(dest / fe["name"])
+                                        for fe in manifest["files"]})
+        what = ("every link is still the checkpoint's shard, headers match" if mode == "link"
+                else "every chunk's sha256 matches")
+        return {**base, "status": "skipped", "verified": True, "verified_bytes": n, "fidelity_rows": rows,
+                "reason": f"{why}; verified: {what} and {rows} rows match the checkpoint",
+                "seconds": round(time.monotonic() - t0, 3)}
+    _say(log, f"staging rank {spec.rank} of {spec.tp} ({spec.layout}, {mode_why}) into {dest}: {why}")
+    space = space_report(spec, sources, dest, files, False)
+    if not space["ok"]:
+        raise StageFailed(_space_message(space))
+    with stamps.around():
+        invalidate(dest)
+    written = None
+    if mode == "link":
+        try:
+            with stamps.around():
+                written = _link_files(spec, sources, dest, files, stamps)
+        except OSError as e:
+            _say(log, f"hard links refused ({e}); copying the rank's rows instead")
+            mode, files = "copy", out_files(spec, sources, "copy")
+            base = {**base, "mode": mode}
+            space = space_report(spec, sources, dest, files, False)
+            if not space["ok"]:
+                raise StageFailed(_space_message(space)) from None
+    if written is None:
+        written = _write_files(spec, sources, dest, files, threads, log)
+    atomic_write_bytes(dest / INDEX_NAME, sources.index)
+    try:
+        rows = fidelity_check(spec, sources, dest)
+    except VerifyFailed:
+        with stamps.around():
+            invalidate(dest)
+        raise
+    mfiles = [{**_manifest_file(f, *written[f.name]), "stat": tableproof.stamp(dest / f.name)} for f in files]
+    manifest = _manifest(spec, sources, files, mfiles, time.monotonic() - t0)
+    verified = None
+    if verify:
+        verified = verify_files(dest, manifest, threads, stamps.value)
+    atomic_write_text(dest / LOCAL_NAME, json.dumps({"layers": local_ranges(spec)}) + "\n")
+    atomic_write_text(dest / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
+    secs = time.monotonic() - t0
+    out = {**base, "status": "ok", "reason": why, "seconds": round(secs, 3),
+           "mb_per_s": round(base["bytes"] / max(secs, 1e-9) / 1e6, 1), "fidelity_rows": rows,
+           "allocated_bytes": manifest["allocated_bytes"], "files": [f.name for f in files],
+           "bytes_written": 0 if mode == "link" else base["bytes"]}
+    if verified is not None:
+        out["verified"], out["verified_bytes"] = True, verified
+    return out
 
 
 def _space_message(space: Mapping[str, Any]) -> str:
@@ -421,23 +500,26 @@ def _write_files(spec: Spec, sources: Sources, dest: Path, files: list[OutFile],
     return out
 
 
-def _link_files(spec: Spec, sources: Sources, dest: Path,
-                files: list[OutFile]) -> dict[str, tuple[list[str], int, str, list[int] | None]]:
+def _link_files(spec: Spec, sources: Sources, dest: Path, files: list[OutFile],
+                stamps: _Restamps | None = None) -> dict[str, tuple[list[str], int, str, list[int] | None, str | None]]:
     """Hard-link every Engram shard of the checkpoint into DEST (temporary name, then rename): the
     engine reads the checkpoint's own bytes, every row present; nothing is copied. Raises OSError
-    (EXDEV, EPERM, ...) with nothing left behind when the filesystem refuses."""
-    out: dict[str, tuple[list[str], int, str, list[int] | None]] = {}
+    (EXDEV, EPERM, ...) with nothing left behind when the filesystem refuses. Each link carries what
+    sync-model's hash cache held for the shard just before (STAMPS.value: None if not current then)."""
+    out: dict[str, tuple[list[str], int, str, list[int] | None, str | None]] = {}
     made: list[Path] = []
     try:
         for f in files:
             src, tmp = sources.checkpoint.folder / f.name, dest / tmp_name(f.name)
-            os.link(os.path.realpath(src), tmp)     # a symlinked shard (HF cache): link its blob (link(2)
+            real = os.path.realpath(src)            # a symlinked shard (HF cache): link its blob (link(2)
                                                     # would link the symlink itself, dangling in DEST)
+            verified = stamps.value(f.name, os.stat(real)) if stamps else None
+            os.link(real, tmp)
             made.append(tmp)
             with open(tmp, "rb") as fh:
                 head = os.pread(fh.fileno(), f.header_bytes, 0)
             st = os.stat(tmp)
-            out[f.name] = ([], spec.chunk_bytes, hashlib.sha256(head).hexdigest(), [st.st_dev, st.st_ino])
+            out[f.name] = ([], spec.chunk_bytes, hashlib.sha256(head).hexdigest(), [st.st_dev, st.st_ino], verified)
     except BaseException:
         for t in made:
             try:
@@ -464,12 +546,14 @@ def _discard(dest: Path, fds: list[tuple[OutFile, int]]) -> None:
 
 
 def _manifest_file(f: OutFile, sums: list[str], chunk_bytes: int, header_sha256: str,
-                   inode: list[int] | None = None) -> dict[str, Any]:
+                   inode: list[int] | None = None, verified: str | None = None) -> dict[str, Any]:
     d = {"name": f.name, "mode": f.mode, "size": f.size, "header_bytes": f.header_bytes,
          "header_sha256": header_sha256, "pieces": [p.to_json() for p in f.pieces], "length": f.length,
          "allocated_bytes": f.allocated_bytes(), "chunk_bytes": chunk_bytes, "sha256": sums}
     if inode is not None:
         d["inode"] = inode
+    if f.mode == "link":
+        d["verified"] = verified      # sync-model's hash of the shard when linked (engram_checks.prove_staged)
     return d
 
 
@@ -510,9 +594,11 @@ def content_digest(sources: Sources, mfiles: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def check(spec: Spec, checkpoint: str | Path, dest: str | Path, full: bool = False) -> dict[str, Any]:
+def check(spec: Spec, checkpoint: str | Path, dest: str | Path, full: bool = False,
+          hash_cache: str | None = None) -> dict[str, Any]:
     """What a run would do: up to date (proven: `proven`)?, space needed and free (for the playbook).
-    Writes no table data; the proof moves its sample window and removes a proven-corrupt manifest."""
+    Writes no table data; the proof moves its sample window and removes a proven-corrupt manifest
+    (not a linked shard's: LinkChanged is reported as not current, the manifest kept)."""
     dest = Path(dest).absolute()
     sources = resolve_sources(spec, checkpoint)
     mode, mode_why = staging_mode(spec, sources, dest)
@@ -520,7 +606,11 @@ def check(spec: Spec, checkpoint: str | Path, dest: str | Path, full: bool = Fal
     current, why = up_to_date(spec, sources, dest, files) if dest.is_dir() else (False, f"{dest} does not exist")
     proof: dict[str, Any] = {}
     if current:
-        current, said, proof = proven(dest, spec.sample_bytes, full)
+        try:
+            current, said, proof = proven(dest, spec.sample_bytes, full,
+                                          link_value=_Restamps(sources, hash_cache, None).value)
+        except LinkChanged as e:
+            current, said = False, str(e)
         why = f"{why}; proven: {said}" if current else said
     return {"op": "engram-stage", "status": "check", "up_to_date": current, "reason": why, "proof": proof, "mode": mode,
             "mode_reason": mode_why, "rank": spec.rank, "tp": spec.tp, **space_report(spec, sources, dest, files, current)}
@@ -568,6 +658,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--check-rank", action="store_true",
                     help="refuse (exit 1) unless DEST holds exactly the spec's rank's rows")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--hash-cache", default=None,
+                    help="sync-model's hash cache of the checkpoint on this host (kept current across the links)")
+    ap.add_argument("--fetch-state", default=None,
+                    help="fetch-model's state on the head (kept current across the links)")
     a = ap.parse_args(argv)
     log = lambda m: print(f"engram-stage: {m}", file=sys.stderr, flush=True)
     try:
@@ -577,9 +671,10 @@ def main(argv: list[str]) -> int:
             res = {"op": "engram-stage", "status": "rank-ok", "dest": a.dest, "rank": m.get("rank"),
                    "tp": m.get("tp"), "ranges": local_ranges(spec)}
         elif a.check:
-            res = check(spec, a.checkpoint, a.dest, full=a.verify)
+            res = check(spec, a.checkpoint, a.dest, full=a.verify, hash_cache=a.hash_cache)
         else:
-            res = stage(spec, a.checkpoint, a.dest, verify=a.verify, threads=a.threads, log=log)
+            res = stage(spec, a.checkpoint, a.dest, verify=a.verify, threads=a.threads, log=log,
+                        hash_cache=a.hash_cache, fetch_state=a.fetch_state)
         code = 0
     except DeployctlError as e:
         log(f"error: {e}")

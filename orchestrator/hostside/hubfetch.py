@@ -6,8 +6,9 @@ first N bytes of stdin, the job's JSON the rest, so the token never appears in a
   resolve  (the head's python3, standard library) the Hub's model_info for the recipe's revision:
            the commit it names and the files the allow patterns select, with sizes and hashes.
   check    (the head's python3) is the snapshot at that commit complete and verified? Decided from
-           the state file by size, mtime, ctime and inode, without reading a byte (--rehash: no);
-           a ctime that moved with the link count alone is a hard link (stage-engram's), not a write.
+           the state file by size, mtime, ctime, inode and link count, without reading a byte
+           (--rehash: no); a hard link is no write only when its maker restamped the state
+           (`restamp`: stage-engram does, for the Engram shards it links).
   fetch    (in the serving image, whose python has huggingface_hub: vLLM and SGLang depend on it)
            check free space, download what is missing with the client's own transfer code, verify,
            publish into the HF cache layout, write the sync-model hash cache, then the state file.
@@ -194,12 +195,30 @@ def stat_key(st: os.stat_result) -> list[int]:
 
 
 def same_file(key: list[int], nlink: int | None, st: os.stat_result) -> bool:
-    """hostside/modelsync.py `same_file` (this file runs alone on the head): unchanged, or only ctime
-    moved with the link count (stage-engram's hard link to a shard's blob). `check` only reads the
-    state, so the link count compared is the one at the last fetch: removing the links again (back to
-    that count, a new ctime) costs one re-verification, never a missed write."""
-    now = stat_key(st)
-    return key == now or (nlink is not None and st.st_nlink != nlink and key[:2] == now[:2] and key[3] == now[3])
+    """hostside/modelsync.py `same_file` (this file runs alone on the head): size, mtime, ctime, inode
+    and link count as recorded. A moved ctime is a write, whatever the link count did: stage-engram's
+    hard link to a shard's blob is excused by its `restamp` of this state, nothing else."""
+    return key == stat_key(st) and (nlink is None or nlink == st.st_nlink)
+
+
+def restamp(state_path: str, moves: list[list]) -> int:
+    """The linker's half of `same_file`: every file record of the state (any commit) stamped exactly a
+    move's old stat and link count (hostside/modelsync.py `link_move`, in order) gets its new ones.
+    Returns how many records moved; best effort (a state not restamped costs one re-verification)."""
+    state = load_state(state_path)
+    n = 0
+    for old, old_n, new, new_n in moves:
+        for c in (state.get("commits") or {}).values():
+            for rec in (c.get("files") or {}).values():
+                if rec.get("stat") == old and rec.get("nlink", old_n) == old_n:
+                    rec["stat"], rec["nlink"] = new, new_n
+                    n += 1
+    if n:
+        try:
+            write_json(state_path, state)
+        except OSError:
+            return 0
+    return n
 
 
 def load_state(path: str) -> dict:

@@ -25,11 +25,12 @@ and the same ranges, and the kept ranges still hash to the recorded value ("kept
 cache; --rehash reads the kept ranges again). A whole file always counts; a partial file where the
 whole one is wanted never does.
 Hash cache: FILE maps a relative path to [size, mtime_ns, ctime_ns, inode, sha256, nlink] of the file
-it was hashed from; a file is re-hashed only when one of those changed (ctime: a rewrite that restored
-the mtime still shows), except a ctime that moved with the link count alone: a hard link added or
-removed (stage-engram links the Engram shards; link(2) and unlink(2) change ctime, not one byte), so
-the first no-op after a cold up hashes nothing; an entry so accepted is restamped. --rehash trusts
-no stat at all. Names starting with `.deployctl` are ours (partial-dir, markers): never listed.
+it was hashed from; a file is re-hashed when any of those changed (ctime: a rewrite that restored the
+mtime still shows, whatever the link count did). A hard link added or removed moves ctime and the link
+count, not one byte, and a write may ride along unseen, so the stat alone never excuses it: whoever
+makes or removes the link restamps the entry (`restamp`: stage-engram, which links the Engram shards,
+does so for exactly the files it linked, when their entry was current just before), and the first
+no-op after a cold up hashes nothing. --rehash trusts no stat at all. Names starting with `.deployctl` are ours (partial-dir, markers): never listed.
 Progress goes to stderr as `progress HASHED TOTAL` lines; errors exit 3 with one line on stderr.
 """
 from __future__ import annotations
@@ -97,11 +98,63 @@ def stat_key(st: os.stat_result) -> list[int]:
 
 
 def same_file(key: list[int], nlink: int | None, st: os.stat_result) -> bool:
-    """ST is still the file stamped KEY (and NLINK links): nothing moved, or only ctime together with
-    the link count (a hard link added or removed; a write moves mtime, a writer that restores mtime
-    leaves the link count alone). hostside/hubfetch.py applies the same rule to its state."""
-    now = stat_key(st)
-    return key == now or (nlink is not None and st.st_nlink != nlink and key[:2] == now[:2] and key[3] == now[3])
+    """ST is still the file stamped KEY (and NLINK links): size, mtime, ctime, inode and link count all
+    as recorded. A moved ctime is a write even when the link count moved too (a link and a write that
+    restored the mtime look alike): a hard link is excused only by its maker's `restamp`.
+    hostside/hubfetch.py applies the same rule to its state."""
+    return key == stat_key(st) and (nlink is None or nlink == st.st_nlink)
+
+
+def link_move(before: os.stat_result, after: os.stat_result) -> list | None:
+    """[old stamp, old nlink, new stamp, new nlink] when BEFORE -> AFTER (one file's stat around a
+    link(2), unlink(2) or rename(2) the caller made) moved ctime or the link count and nothing else
+    (same inode, size, mtime); None otherwise (nothing to restamp, or something else happened)."""
+    a, b = stat_key(before), stat_key(after)
+    if a[0] != b[0] or a[1] != b[1] or a[3] != b[3] or (a == b and before.st_nlink == after.st_nlink):
+        return None
+    return [a, before.st_nlink, b, after.st_nlink]
+
+
+def restamp(cache_path: str, root: str, moves: dict[str, list]) -> list[str]:
+    """The linker's half of the hash cache's rule: for each rel -> MOVE (`link_move`, in order) whose
+    entry in CACHE_PATH (for ROOT) was current at the move's old stat, the entry now holds the new
+    stat. An entry that was not current stays as it is (its file is re-hashed next time: a write before
+    the link is not excused). Returns the rels restamped. Best effort: a cache that cannot be read or
+    written costs a re-hash, never a missed write."""
+    try:
+        with open(cache_path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return []
+    if doc.get("version") != CACHE_VERSION or doc.get("root") != os.path.realpath(root):
+        return []
+    files, done = doc.get("files") or {}, []
+    for rel, chain in moves.items():
+        e = files.get(rel)
+        for old, old_n, new, new_n in chain:
+            if e and len(e) >= 5 and e[:4] == old and (len(e) < 6 or e[5] == old_n):
+                e = files[rel] = new + [e[4], new_n]
+                if rel not in done:
+                    done.append(rel)
+    if done:
+        HashCache.write(cache_path, doc)
+    return done
+
+
+def cached_value(cache_path: str, root: str, rel: str, st: os.stat_result) -> str | None:
+    """The hash cache's value for REL (a sha256, or KEPT + the kept ranges' sha256) when its entry
+    stamps exactly ST: what sync-model read this file to be in its current state; else None."""
+    try:
+        with open(cache_path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if doc.get("version") != CACHE_VERSION or doc.get("root") != os.path.realpath(root):
+        return None
+    e = (doc.get("files") or {}).get(rel)
+    if not e or len(e) < 5 or not same_file(e[:4], e[5] if len(e) > 5 else None, st):
+        return None
+    return e[4]
 
 
 def sha256_file(path: str, on_bytes) -> str:
@@ -164,7 +217,6 @@ class HashCache:
         e = self.entries.get(rel)
         if not e or not same_file(e[:4], e[5] if len(e) > 5 else None, st):
             return None
-        self.put(rel, st, e[4])           # restamped: a later change is measured from this stat
         return e[4]
 
     def put(self, rel: str, st: os.stat_result, sha: str) -> None:
@@ -173,18 +225,21 @@ class HashCache:
     def save(self, keep: set[str]) -> None:
         """Atomically (temp, fsync, rename); only entries for files that still exist. Best effort:
         a cache that cannot be written costs a re-hash next time, not this run."""
-        doc = {"version": CACHE_VERSION, "root": self.root,
-               "files": {k: v for k, v in self.entries.items() if k in keep}}
-        tmp = f"{self.path}.{os.getpid()}.tmp"
+        self.write(self.path, {"version": CACHE_VERSION, "root": self.root,
+                               "files": {k: v for k, v in self.entries.items() if k in keep}})
+
+    @staticmethod
+    def write(path: str, doc: dict) -> None:
+        tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "w") as f:
                 json.dump(doc, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            os.replace(tmp, path)
         except OSError as e:
-            print(f"warning: hash cache {self.path} not written: {e}", file=sys.stderr, flush=True)
+            print(f"warning: hash cache {path} not written: {e}", file=sys.stderr, flush=True)
 
 
 def hash_files(root: str, todo: dict[str, os.stat_result], cache: HashCache,

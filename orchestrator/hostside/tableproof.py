@@ -69,11 +69,13 @@ class Proof:
     full: list[str] = field(default_factory=list)        # files checked in full, with why
     refreshed: dict[str, dict[str, int]] = field(default_factory=dict)   # path -> new stamp (all chunks equal)
     bad: list[str] = field(default_factory=list)         # "path chunk i (bytes a..b)"
+    refused: list[str] = field(default_factory=list)     # files this proof cannot vouch for and a
+                                                         # restage would not repair (a linked shard written since)
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return not self.bad
+        return not self.bad and not self.refused
 
     def summary(self) -> str:
         what = (f"{self.chunks} of {self.total_chunks} chunks ({self.bytes / 1e9:.3g} GB) re-hashed in "
@@ -84,7 +86,8 @@ class Proof:
 
     def to_json(self) -> dict[str, Any]:
         return {"files": self.files, "chunks": self.chunks, "total_chunks": self.total_chunks,
-                "bytes": self.bytes, "full": self.full, "bad": self.bad, "seconds": round(self.seconds, 3)}
+                "bytes": self.bytes, "full": self.full, "bad": self.bad, "refused": self.refused,
+                "seconds": round(self.seconds, 3)}
 
 
 def chunk_count(f: TableFile) -> int:

@@ -3,6 +3,7 @@
 plan (pure): per host the exact command it runs,
     timeout -k 30 <s> python3 <nvme_dir>/.deployctl/deployctl-tables.pyz engram-stage
             --spec <nvme_dir>/.deployctl/engram-spec.json --checkpoint <checkpoint dir> --dest <nvme_dir>/<engram.subdir>
+            --hash-cache <sync-model's hash cache of that checkpoint> [--fetch-state <fetch-model's state>: the head]
 apply: runs the jobs the plan's actions carry through orchestrator/stages/tableop.py (the zipapp,
 the SSH fast path for hosts already staged, one playbooks/stage-engram.yml run for the others) and
 turns each host's result into a HostResult: ok, skipped (already staged: the op's reason) or failed
@@ -19,6 +20,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
+from ..modelfetch.resolve import state_file
+from ..modelsync.settings import cache_file
 from ..outcomes import HostResult, Status
 from ..paths import PLAYBOOKS_DIR
 from ..plan import Action
@@ -64,7 +67,12 @@ def host_job(dep: "Deployment", host: "Host") -> TableJob:
                          f"gpus_per_node {par.gpus_per_node}", key="parallelism.gpus_per_node")
     spec = engram_spec(dep.recipe, host.rank)
     ckpt, dest = dep.checkpoint_dir(host), dep.engram_dir(host)
-    return make_job(host, OP, SPEC_NAME, spec.to_json(), ("--checkpoint", ckpt, "--dest", dest),
+    # the stamps other ops keep of this checkpoint: the op keeps them current across its hard links
+    # (hostside/engram_stage.py _Restamps), and a linked shard's proof asks sync-model's hash cache
+    stamps: tuple[str, ...] = ("--hash-cache", cache_file(host.nvme_dir, ckpt))
+    if host.name == dep.cluster.head and dep.cluster.model_fetch == "hub":
+        stamps += ("--fetch-state", state_file(dep, host))
+    return make_job(host, OP, SPEC_NAME, spec.to_json(), ("--checkpoint", ckpt, "--dest", dest, *stamps),
                             staged_bytes(spec), {"rank": host.rank, "checkpoint": ckpt, "dest": dest})
 
 
