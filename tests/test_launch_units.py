@@ -129,6 +129,57 @@ def test_the_previous_generation_is_listed_only_when_asked():
     assert parse_list(0, text, "", "e")[0].image_ref == "img:1"
 
 
+class _DockerShell:
+    """A host's Docker engine holding containers of deployment x: the current one, running, and the
+    previous generation kept stopped (`-prev`); answers list_argv, docker stop, rm and logs."""
+
+    def __init__(self, host, deployment: str = "x"):
+        self.host, self.deployment, self.calls = host, deployment, []
+        self.have = {f"deployctl-{deployment}": ("a" * 64, "running"),
+                     f"deployctl-{deployment}-prev": ("c" * 64, "exited")}
+
+    def docker(self, *args: str) -> list[str]:
+        return ["docker", "-H", self.host.docker_host, *args]
+
+    def run(self, argv, timeout=60.0, stdin=None):
+        from orchestrator.executors.ssh import Result
+        from orchestrator.launch.commands import list_argv
+        argv = list(argv)
+        self.calls.append(argv)
+        if argv == list_argv(self.host.docker_host, self.deployment):
+            doc = [{"Id": cid, "Name": f"/{name}", "Image": "sha256:" + "b" * 64, "State": {"Status": state},
+                    "Config": {"Labels": {}, "Image": "img:1"}} for name, (cid, state) in self.have.items()]
+            return Result(0, f"1788264000\n{json.dumps(doc)}", "")
+        if "rm" in argv:
+            self.have = {n: v for n, v in self.have.items() if v[0] not in argv}
+        return Result(0, "", "")
+
+
+def test_a_failed_up_with_rollback_keeps_the_previous_generation(tmp_path, monkeypatch):
+    """#59 item 3: with supervise.rollback the failure cleanup of a failed `up` (launch's, also on
+    Ctrl-C) removes the new generation and keeps the stopped previous one (`-prev`) on every host: it
+    is what the supervisor's rollback returns to. Without rollback it removes both; `down` always does."""
+    from contextlib import contextmanager
+    from orchestrator.launch import launcher, lifecycle
+    from orchestrator.launch.containers import remove_all
+    for rollback in (True, False):
+        dep = load_deployment(INVENTORIES_DIR / "spark4.yml", None, (f"supervise.rollback={str(rollback).lower()}",))
+        shells = {h.name: _DockerShell(h, dep.name) for h in dep.cluster.hosts}
+
+        @contextmanager
+        def fake_shells(cluster, connect_timeout=None):
+            yield shells
+        monkeypatch.setattr(lifecycle, "Shells", fake_shells)
+        ctx = RunContext(tmp_path / f"run-{rollback}")
+        launcher._cleanup(dep, ctx, list(shells))()
+        ctx.close()
+        for name, sh in shells.items():
+            want = [f"deployctl-{dep.name}-prev"] if rollback else []
+            assert sorted(sh.have) == want, (rollback, name, sh.calls)
+    sh = _DockerShell(spark4().cluster.hosts[0], "x")                   # `down`: everything goes
+    assert sorted(c.name for c in remove_all(sh, "x")) == ["deployctl-x", "deployctl-x-prev"] and sh.have == {}
+
+
 def test_the_same_image_under_another_name_is_no_change():
     """After a rollback the engines run the release's pin tag; an `up` whose tag names the same image
     (by ID) with the same spec otherwise does not relaunch; another image or another spec does."""

@@ -142,11 +142,15 @@ def logs_tail(sh: HostShell, container: str, lines: int = LOG_TAIL, timeout: flo
 
 
 def remove_all(sh: HostShell, deployment: str, stop_timeout: int = STOP_TIMEOUT_S,
-               keep: frozenset[str] = frozenset()) -> list[Container]:
+               keep: frozenset[str] = frozenset(), keep_previous: bool = False) -> list[Container]:
     """Stop (SIGTERM, then SIGKILL after STOP_TIMEOUT) and remove every container of DEPLOYMENT but
-    the ones in KEEP (IDs: launch's prepared containers), then list again: a container still there
-    is a failure naming it (the previous generation too, unless kept). Returns what was removed."""
-    found = [c for c in list_containers(sh, deployment, previous=True) if c.id not in keep]
+    the ones in KEEP (IDs: launch's prepared containers) and, with KEEP_PREVIOUS, the stopped previous
+    generation (is_previous: what the supervisor's rollback returns to), then list again: a container
+    still there is a failure naming it (the previous generation too, unless kept). Returns what was
+    removed."""
+    def kept(c: Container) -> bool:
+        return c.id in keep or (keep_previous and is_previous(c))
+    found = [c for c in list_containers(sh, deployment, previous=True) if not kept(c)]
     if not found:
         return []
     ids = [c.id for c in found]
@@ -154,7 +158,7 @@ def remove_all(sh: HostShell, deployment: str, stop_timeout: int = STOP_TIMEOUT_
     if running:
         sh.run(sh.docker("stop", "-t", str(stop_timeout), *running), timeout=stop_timeout + 60)
     r = sh.run(sh.docker("rm", "-f", *ids), timeout=120)
-    left = [c for c in list_containers(sh, deployment, previous=True) if c.id not in keep]
+    left = [c for c in list_containers(sh, deployment, previous=True) if not kept(c)]
     if left:
         detail = (r.stderr.strip().splitlines() or [""])[-1]
         raise HostFailure(f"{len(left)} container(s) of {deployment} still present after docker stop/rm: "

@@ -355,16 +355,20 @@ def renamed_only(c: Container, spec: ContainerSpec, image_id: str | None) -> boo
 
 
 def _cleanup(dep: Deployment, ctx: RunContext, names: list[str]) -> Callable[[], None]:
-    """Remove this deployment's containers everywhere (their logs saved to the run record first)."""
+    """Remove this deployment's containers everywhere (their logs saved to the run record first). With
+    supervise.rollback the stopped previous generation (`-prev`, kept by this launch or an earlier one)
+    stays: it is what the supervisor's rollback brings back when this up failed."""
     done: list[bool] = []
+    keep_previous = supervision.enabled(dep) and dep.recipe.supervise.rollback
 
     def cleanup() -> None:
         if done:
             return
         done.append(True)
         ctx.say(f"removing the containers of {dep.name} on {len(names)} host(s) "
-                f"(engine logs saved under {ctx.run_dir}/logs/<host>/engine.log)")
-        for name, outcome in remove_everywhere(dep, names, ctx).items():
+                f"(engine logs saved under {ctx.run_dir}/logs/<host>/engine.log)"
+                + ("; the previous generation (-prev) is kept for the supervisor's rollback" if keep_previous else ""))
+        for name, outcome in remove_everywhere(dep, names, ctx, keep_previous=keep_previous).items():
             if isinstance(outcome, BaseException):
                 ctx.say(f"  {name}: [red]NOT removed[/red]: {escape(str(failure(outcome)))}")
             else:

@@ -43,9 +43,10 @@ def save_engine_logs(sh: HostShell, containers: list[Container], ctx: "RunContex
         log.close()
 
 
-def remove_everywhere(dep: "Deployment", names: list[str], ctx: "RunContext | None" = None
-                      ) -> dict[str, "list[Container] | BaseException"]:
-    """Stop, remove and verify gone on every host in NAMES, in parallel (logs saved to CTX first)."""
+def remove_everywhere(dep: "Deployment", names: list[str], ctx: "RunContext | None" = None,
+                      keep_previous: bool = False) -> dict[str, "list[Container] | BaseException"]:
+    """Stop, remove and verify gone on every host in NAMES, in parallel (logs saved to CTX first);
+    with KEEP_PREVIOUS the stopped previous generation (`-prev`) stays (containers.remove_all)."""
     with Shells(dep.cluster, CLEANUP_CONNECT_S) as shells:
         def one(name: str) -> list[Container]:
             sh = shells[name]
@@ -56,7 +57,7 @@ def remove_everywhere(dep: "Deployment", names: list[str], ctx: "RunContext | No
                         save_engine_logs(sh, found, ctx)
                     except Exception:  # noqa: BLE001 - the logs are a courtesy; removal is the point
                         pass
-            return remove_all(sh, dep.name)
+            return remove_all(sh, dep.name, keep_previous=keep_previous)
         return parallel(names, one)
 
 
