@@ -41,18 +41,75 @@ def test_a_host_without_a_fabric_address_is_reached_over_management_and_the_plan
     assert "MANAGEMENT network to n2" in route.networks_note(hops)
 
 
+RING = {  # n1-n2, n2-n4, n4-n3, n3-n1: rank order would cross a missing cable (n2-n3)
+    "n1": {"fabric_links": {"n2": {"iface": "a", "address": "10.1.12.1/30"}, "n3": {"iface": "b", "address": "10.1.13.1/30"}}},
+    "n2": {"fabric_links": {"n1": {"iface": "a", "address": "10.1.12.2/30"}, "n4": {"iface": "b", "address": "10.1.24.1/30"}}},
+    "n3": {"fabric_links": {"n4": {"iface": "a", "address": "10.1.34.2/30"}, "n1": {"iface": "b", "address": "10.1.13.2/30"}}},
+    "n4": {"fabric_links": {"n2": {"iface": "a", "address": "10.1.24.2/30"}, "n3": {"iface": "b", "address": "10.1.34.1/30"}}},
+}
+
+
 def test_ring_chain_follows_the_cables(tmp_path):
-    ring = {  # n1-n2, n2-n4, n4-n3, n3-n1: rank order would cross a missing cable (n2-n3)
-        "n1": {"fabric_links": {"n2": {"iface": "a", "address": "10.1.12.1/30"}, "n3": {"iface": "b", "address": "10.1.13.1/30"}}},
-        "n2": {"fabric_links": {"n1": {"iface": "a", "address": "10.1.12.2/30"}, "n4": {"iface": "b", "address": "10.1.24.1/30"}}},
-        "n3": {"fabric_links": {"n4": {"iface": "a", "address": "10.1.34.2/30"}, "n1": {"iface": "b", "address": "10.1.13.2/30"}}},
-        "n4": {"fabric_links": {"n2": {"iface": "a", "address": "10.1.24.2/30"}, "n3": {"iface": "b", "address": "10.1.34.1/30"}}},
-    }
-    c = load_inventory(_inventory(tmp_path, "mesh", ring))
+    c = load_inventory(_inventory(tmp_path, "mesh", RING))
     hops = route.route(c, "n1", ["n2", "n3", "n4"])
     assert [h.host for h in hops] == ["n1", "n2", "n4", "n3"]
     assert [h.address for h in hops[1:]] == ["10.1.12.2", "10.1.24.2", "10.1.34.2"]   # each its end of the cable
     assert all(h.network == "fabric" for h in hops[1:])
+
+
+def test_a_repair_on_a_mesh_starts_from_a_node_cabled_to_the_first_unfinished_one(tmp_path):
+    """#59 item 4: the ring's chain is n1 -> n2 -> n4 -> n3. n4 dies mid-chain: n3 is left unfinished.
+    By rank order the repair came from n2, the last complete node before n3 (rank 2), which has no cable
+    to n3, so the pass ran over the management network; along the route, the complete node next to n3
+    with a cable to it is the head n1, and the repair pass is one cable."""
+    c = load_inventory(_inventory(tmp_path, "mesh", RING))
+    hops = route.route(c, "n1", ["n2", "n3", "n4"])
+    assert route.repair_source(c, hops, {"n1", "n2"}, ["n3"]) == "n1"
+    again = route.route(c, "n1", ["n3"])
+    assert [(h.host, h.network) for h in again[1:]] == [("n3", "fabric")]
+    # n2 dies: n4 and n3 left; the first, n4, has cables to n2 (dead) and n3 (unfinished) only: the
+    # nearest complete node along the route (the head) repairs
+    assert route.repair_source(c, hops, {"n1"}, ["n4", "n3"]) == "n1"
+    # n3's upstream n4 complete (a whole copy) and alive: the route's neighbour, its cable
+    assert route.repair_source(c, hops, {"n1", "n2", "n4"}, ["n3"]) == "n4"
+    # a switch: the last complete node before the first unfinished one along the route
+    (tmp_path / "sw").mkdir()
+    sw = load_inventory(_inventory(tmp_path / "sw", "switch", {f"n{k}": {"fabric_address": f"192.168.100.1{k}/24"}
+                                                                for k in (1, 2, 3, 4)}, distribution="chain"))
+    hops = route.route(sw, "n1", ["n2", "n3", "n4"])
+    assert route.repair_source(sw, hops, {"n1", "n2"}, ["n4"]) == "n2"
+
+
+def test_sync_model_s_repair_pass_on_the_ring_takes_the_route_s_neighbour(tmp_path, monkeypatch):
+    """#59 item 4, through sync-model's chain (modelsync/chained.py distribute, the passes faked): on
+    the ring n1 -> n2 -> n4 -> n3, n4 dies in pass 1 and cuts n3 off. Pass 2 must start from the head
+    n1, which has a cable to n3, over the fabric; it started from n2 (rank order), which has none."""
+    from types import SimpleNamespace
+    from orchestrator.chain.run import NodeOutcome
+    from orchestrator.deployment import load_deployment
+    from orchestrator.modelsync import chained
+    from orchestrator.modelsync.settings import Settings
+    from orchestrator.runrecord import RunContext
+    dep = load_deployment(_inventory(tmp_path, "mesh", RING, distribution="chain"))
+    passes = []
+
+    def fake_pass(cluster, hops, specs, timeouts, on_event, cancel):
+        passes.append([(h.host, h.upstream, h.network) for h in hops])
+        outs = {h.host: NodeOutcome(h.host, h.upstream, h.network, done={"ok": True}, written=["a.bin"])
+                for h in hops}
+        if len(passes) == 1:
+            outs["n4"] = NodeOutcome("n4", "n2", "fabric", error="killed")            # dies mid-chain
+            outs["n3"] = NodeOutcome("n3", "n4", "fabric", done={"ok": False})        # cut off behind it
+        return outs
+    monkeypatch.setattr(chained, "run_pass", fake_pass)
+    ctx = RunContext(tmp_path / "run")
+    wants = {h: chained.Wanted(["a.bin"], ctx.host_log(h, "sync-model")) for h in ("n2", "n3", "n4")}
+    m = SimpleNamespace(files=[("a.bin", 10, "0" * 64)])
+    got = chained.distribute(dep, m, wants, Settings(), ctx)
+    ctx.close()
+    assert passes[0] == [("n1", "", ""), ("n2", "n1", "fabric"), ("n4", "n2", "fabric"), ("n3", "n4", "fabric")]
+    assert passes[1] == [("n1", "", ""), ("n3", "n1", "fabric")], passes[1]
+    assert got["n3"].ok and got["n3"].passes == 2 and not got["n4"].ok
 
 
 def test_bad_distribution_names_the_key(tmp_path):

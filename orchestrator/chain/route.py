@@ -6,6 +6,9 @@ mesh with fewer cables): from each node to a cabled neighbour not yet in the cha
 first), so every hop is one cable; a target no cable reaches next is appended over the management
 network, and the plan says so.
 
+Repair (`repair_source`): a pass that leaves nodes unfinished is followed by one from a complete node
+next to the first of them along this route (on a mesh, one cabled to it), never by rank order.
+
 Address: a node listens on, and its upstream connects to, the node's fabric address (on a mesh, its
 end of the cable from the upstream); a host without one is reached over its management address.
 """
@@ -63,6 +66,28 @@ def route(cluster: "Cluster", source: str, targets: list[str]) -> list[Hop]:
         addr, net = hop_address(cluster, cluster.host(up), cluster.host(name))
         hops.append(Hop(name, up, addr, net, names[i] if i < len(names) else ""))
     return hops
+
+
+def repair_source(cluster: "Cluster", hops: list[Hop], complete: set[str], left: list[str]) -> str:
+    """Where a repair pass starts after HOPS (the pass that left LEFT unfinished): from a node that
+    holds the whole checkpoint (COMPLETE, the head always) next to the first unfinished node of the
+    route, not of rank order. That is its upstream in HOPS when complete, else the nearest complete
+    node before it along the route; on a mesh, first of all one with a cable to it (its upstream, or
+    any complete node it is cabled to: the head, a finished worker), so the repair is one cable too;
+    the head when none is."""
+    order = [h.host for h in hops]
+    first = next((n for n in order if n in left), None)
+    if first is None:
+        return cluster.head
+    before = [n for n in reversed(order[:order.index(first)]) if n in complete]
+    if cluster.fabric_topology == "mesh":
+        cabled = {lk.peer for lk in cluster.host(first).fabric_links}
+        rank = {h.name: h.rank for h in cluster.hosts}
+        near = [n for n in before if n in cabled] + sorted((n for n in complete if n in cabled and n not in before),
+                                                            key=lambda n: rank[n])
+        if near:
+            return near[0]
+    return before[0] if before else cluster.head
 
 
 def networks_note(hops: list[Hop]) -> str:

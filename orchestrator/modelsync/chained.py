@@ -8,7 +8,8 @@
    as it arrives and writes the files it lacks (sha256 checked against the manifest before a file
    takes its real name).
 4. A node that dies mid-chain is cut out: the nodes after it are finished by a second pass whose
-   source is the last complete node before them (or the head), with only what each still lacks.
+   source is a complete node next to the first of them along the route (on a mesh, one cabled to it;
+   chain/route.py repair_source), or the head, with only what each still lacks.
    With Engram on NVMe a worker keeps of the Engram shards only its rank's rows (rows.py): such a
    worker is never a repair source.
 5. Per worker: verify again (sha256, hash cache), dropping the chain's partial folder.
@@ -78,7 +79,6 @@ def distribute(dep: "Deployment", m: Manifest, wants: dict[str, Wanted], st: Set
     results: dict[str, Delivery] = {}
     dead: dict[str, str] = {}
     complete = {c.head}                      # nodes that hold the whole checkpoint (sources for a repair)
-    chain_order = [c.head] + [h.name for h in c.hosts if h.name != c.head]
     source = c.head
     seen: dict[str, dict] = {h: {} for h in wants}
     for n in range(1, MAX_PASSES + 1):
@@ -136,12 +136,13 @@ def distribute(dep: "Deployment", m: Manifest, wants: dict[str, Wanted], st: Set
                 break
             dead[source] = src.error
             complete.discard(source)
-        left = [h for h in chain_order if need.get(h)]
+        order = [x.host for x in hops] + [h.name for h in c.hosts if h.name not in {x.host for x in hops}]
+        left = [h for h in order if need.get(h)]
         if not left:
             break
-        # a repair: from the last node before the first unfinished one that holds everything
-        first = chain_order.index(left[0])
-        source = next((x for x in reversed(chain_order[:first]) if x in complete), c.head)
+        # a repair: from a complete node next to the first unfinished one along this pass's route (on a
+        # mesh, cabled to it), not by rank order (chain/route.py repair_source)
+        source = route.repair_source(c, hops, complete, left)
         cut = ", ".join(f"{h} ({why})" for h, why in dead.items()) or "none"
         ctx.say(f"  sync-model: {', '.join(left)} not complete; cut out: {cut}; pass {n + 1} from {source}")
     for h, d in results.items():
