@@ -84,6 +84,31 @@ def apply(data: dict, overrides: Iterable["Override | str"]) -> tuple[dict, dict
     return out, origins
 
 
+def origin_of(origins: dict[str, Override], path: str) -> Override | None:
+    """The override that set PATH's value (PATH itself or a mapping above it); None: the recipe file's."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        o = origins.get(".".join(parts[:i]))
+        if o is not None:
+            return o
+    return None
+
+
+def precedence(o: Override | None) -> int:
+    """Where a value came from, least specific first: 0 the recipe file, 1 an inventory's
+    recipe_overrides, 2 the command line (--set); later ones override earlier ones."""
+    return 0 if o is None else 2 if o.file is None else 1
+
+
+def where(o: Override | None, recipe_file: str = "the recipe") -> str:
+    """The source of a value in words, for a message."""
+    if o is None:
+        return recipe_file
+    if o.file is None:
+        return f"--set {o.expr}"
+    return f"{o.file}{f':{o.line}' if o.line else ''}: {o.key}"
+
+
 def blame(e: InputError, origins: dict[str, Override]) -> InputError | None:
     """The error moved to the override that set E's key (or a mapping above it); None if none did."""
     if not e.key:

@@ -17,7 +17,7 @@ from typing import Any, Literal, Sequence
 
 from . import checks, schema, yamlfile
 from .errors import InputError
-from .overrides import Override, apply, as_override, blame
+from .overrides import Override, apply, as_override, blame, origin_of, precedence, where
 from .paths import RECIPES_DIR
 from .hostside.geometry import TableGeometry
 
@@ -398,6 +398,8 @@ class LoadedRecipe:
     recipe: Recipe
     path: Path
     overrides: tuple[str, ...] = ()
+    # why engine.chain is not built though the recipe names one (`image_without_chain`), for the plan
+    chain_skipped: str = ""
 
 
 def digest_of(data: Any) -> str:
@@ -425,10 +427,31 @@ def load_recipe(name_or_path: str, sets: Sequence[Override | str] = ()) -> Loade
     raw = yamlfile.load(path)
     overrides = tuple(map(as_override, sets))
     data, origins = apply(dict(raw), overrides)
+    skipped = image_without_chain(data, origins, str(path))
     try:
         recipe = schema.from_dict(Recipe, data, "", str(path))
     except InputError as e:
         # a bad value an override set is the override's error, not the recipe file's
         raise blame(e, origins) or schema.at_line(e, raw.lines) from None
-    return LoadedRecipe(recipe, path, tuple(o.expr for o in overrides))
+    return LoadedRecipe(recipe, path, tuple(o.expr for o in overrides), skipped)
+
+
+def image_without_chain(data: dict, origins: dict[str, Override], recipe_file: str) -> str:
+    """engine.image and engine.chain: the recipe's (or an inventory's) pair names the image its chain
+    builds, tagged so. An engine.image given more specifically than the chain (on the command line over
+    the recipe's or the inventory's chain, or in an inventory's recipe_overrides over the recipe file's)
+    names an image to serve as it is: the chain is dropped from DATA (the build stage builds nothing,
+    instead of re-tagging that image to the chain's build) and the reason returned for the plan; "" when
+    the chain stays. To build the chain under another tag, give engine.chain in the same place."""
+    engine = data.get("engine")
+    if not isinstance(engine, dict) or not engine.get("chain"):
+        return ""
+    image, chain = origin_of(origins, "engine.image"), origin_of(origins, "engine.chain")
+    if precedence(image) <= precedence(chain):
+        return ""
+    name, engine["chain"] = engine["chain"], None
+    return (f"engine.image {engine.get('image')} is given by {where(image)} without engine.chain: chain {name} "
+            f"({where(chain, recipe_file)}) is not built, that image is served as it is (it must be in the "
+            f"head's Docker engine; ship sends it on). To build the chain under this tag, give engine.chain "
+            f"beside it (--set engine.chain={name})")
 

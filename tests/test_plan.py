@@ -105,3 +105,49 @@ def test_help_for_every_command():
         p = cli(cmd, "--help")
         assert p.returncode == 0 and "Usage:" in p.stdout, cmd
         assert len(p.stdout.splitlines()) > 4, f"{cmd} --help says something useful"
+
+
+def test_an_explicit_image_without_its_chain_is_served_as_it_is_and_the_plan_says_so(tmp_path):
+    """#59 item 2: the recipe's (or an inventory's) engine.image + engine.chain pair names the tag its
+    chain builds; an engine.image given more specifically than the chain (`--set` over the recipe's or
+    the inventory's chain, an inventory's recipe_overrides over the recipe file's) is served as it is:
+    the build stage builds nothing, instead of re-tagging that image to the chain's build, and the plan
+    says why. Named together, in one place, the chain builds that tag (the test cluster's inventories)."""
+    import yaml
+    spark4 = INVENTORIES_DIR / "spark4.yml"
+
+    def build_of(inv, *sets):
+        dep = load_deployment(inv, None, sets)
+        return dep, build_plan(dep, ("build",)).stage("build")
+    dep, st = build_of(spark4, "engine.image=registry.example.com/team/vllm-dsv41:v2")
+    assert not st.actions and dep.recipe.engine.chain is None
+    assert dep.recipe.engine.image == "registry.example.com/team/vllm-dsv41:v2"
+    assert st.note.startswith("engine.image registry.example.com/team/vllm-dsv41:v2 is given by --set "
+                              "engine.image=registry.example.com/team/vllm-dsv41:v2 without engine.chain: "
+                              "chain vllm-dsv41 ("), st.note
+    assert "is not built, that image is served as it is" in st.note and "--set engine.chain=vllm-dsv41" in st.note
+    p = cli("plan", "-i", str(spark4), "--only", "build", "--set", "engine.image=registry.example.com/team/vllm-dsv41:v2")
+    assert p.returncode == 0, p.stderr
+    assert "chain vllm-dsv41" in " ".join(p.stdout.split()) and "is not built" in " ".join(p.stdout.split()), p.stdout
+    # both named on the command line: the chain builds that tag
+    dep, st = build_of(spark4, "engine.chain=vllm-dsv41", "engine.image=vllm-dsv41:mine")
+    assert [a.details["image"] for a in st.actions] == ["vllm-dsv41:mine"] and dep.loaded.chain_skipped == ""
+    # an inventory naming both (as the test cluster's scaled recipes do): built and tagged so; a --set
+    # image over that pair is served as it is
+    doc = yaml.safe_load(spark4.read_text())
+    doc["all"]["vars"]["recipe_overrides"] = {"engine.image": "dctl-engine:test", "engine.chain": "vllm-dsv41"}
+    both = tmp_path / "both.yml"
+    both.write_text(yaml.safe_dump(doc))
+    dep, st = build_of(both)
+    assert [a.details["image"] for a in st.actions] == ["dctl-engine:test"]
+    dep, st = build_of(both, "engine.image=dctl-engine:other")
+    assert not st.actions and "chain vllm-dsv41 (" in st.note and str(both) in st.note
+    # an inventory naming only the image (the runbook's "make it stick" pin): served as it is
+    doc["all"]["vars"]["recipe_overrides"] = {"engine.image": "deployctl-release/spark4:3"}
+    pin = tmp_path / "pin.yml"
+    pin.write_text(yaml.safe_dump(doc))
+    dep, st = build_of(pin)
+    assert not st.actions and f"is given by {pin}" in st.note and "all.vars.recipe_overrides.engine.image" in st.note
+    # the recipe file's own pair, untouched
+    dep, st = build_of(spark4)
+    assert [a.details["image"] for a in st.actions] == [dep.recipe.engine.image] and dep.recipe.engine.chain

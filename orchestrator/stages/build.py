@@ -31,7 +31,7 @@ REPORT_FILE = "build-report.json"
 def plan(dep: "Deployment", options: RunOptions) -> tuple[list[Action], str]:
     e, head = dep.recipe.engine, dep.cluster.head_host
     if not e.chain:
-        return [], f"engine.chain is not set: image {e.image} is used as it is"
+        return [], dep.loaded.chain_skipped or f"engine.chain is not set: image {e.image} is used as it is"
     chain = load_chain(e.chain)
     steps = [{"name": s.name, "kind": s.kind, "parent": chain.parent_of(s), "uses": list(s.uses),
               "description": s.description,
