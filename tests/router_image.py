@@ -27,10 +27,11 @@ class _Log:
         self.path.write_text("\n".join(self._lines) + "\n")
 
 
-def build_locally(folder) -> list[str]:
-    """[base, step cache ref, tag] of the router image built in the local engine."""
+def build_locally(folder, arch: str = "x86_64") -> list[str]:
+    """[base, step cache ref, tag] of the router image built in the local engine for ARCH (the router
+    host's `uname -m`; the local engine needs a base of that platform)."""
     ensure_base_images()
-    chain, _ = ready_chain(CHAIN)
+    chain, _ = ready_chain(CHAIN, arch=arch)
     client = de.local_client()
     try:
         report = ChainBuilder(client, chain, final_tag=DEFAULT_IMAGE, where="local engine",
@@ -41,6 +42,6 @@ def build_locally(folder) -> list[str]:
     return [DEBIAN_IMAGE, *refs, DEFAULT_IMAGE]
 
 
-def preload(cluster, host: str, folder) -> str:
-    cluster.load_image(host, build_locally(folder))
+def preload(cluster, host: str, folder, arch: str = "x86_64") -> str:
+    cluster.load_image(host, build_locally(folder, arch))
     return DEFAULT_IMAGE

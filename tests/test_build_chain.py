@@ -206,8 +206,9 @@ def test_cli_ci_json_report_and_prune(full, tmp_path):
     inv = tmp_path / "inv.yml"
     hosts = "\n".join(f"    n{i}: {{ansible_host: 10.9.9.{i}, rank: {i - 1}, hardware: dgx-spark, "
                       f"nvme_dir: /tmp/n, model_cache: /tmp/m}}" for i in range(1, 5))
+    # hosts of this machine's architecture (as the test cluster's): the image is built for the head's
     inv.write_text(f"all:\n  vars:\n    recipe: deepseek-v41-flash-tp4\n    head: n1\n    run_dir: {tmp_path}/runs\n"
-                   f"  hosts:\n{hosts}\n")
+                   f"    expect_arch: x86_64\n  hosts:\n{hosts}\n")
     summary = tmp_path / "summary.md"
     p = subprocess.run([sys.executable, "-m", "orchestrator", "build", "-i", str(inv), "--local", "--ci", "--json",
                         "--set", "engine.chain=test-double", "--set", f"engine.image={IMAGE}"],

@@ -104,12 +104,12 @@ def test_git_pin_is_checked(tmp_path):
 
 
 def test_step_digest_is_pure_and_covers_its_inputs():
-    base = dict(kind="docker-build", chain="c", step="s", text="FROM x\n", args={"A": "1"},
+    base = dict(kind="docker-build", chain="c", step="s", platform="linux/amd64", text="FROM x\n", args={"A": "1"},
                 inputs=[("vllm", "h1")], parent_id="sha256:p", uses={})
     d = step_digest(step_material(**base))
     assert d == step_digest(step_material(**base)) and d.startswith("sha256:")
     for change in ({"text": "FROM x\nRUN y\n"}, {"args": {"A": "2"}}, {"inputs": [("vllm", "h2")]},
-                   {"parent_id": "sha256:q"}, {"uses": {"c-ext": "sha256:z"}}):
+                   {"parent_id": "sha256:q"}, {"uses": {"c-ext": "sha256:z"}}, {"platform": "linux/arm64"}):
         assert step_digest(step_material(**{**base, **change})) != d, change
     # order of args and inputs does not matter
     assert step_digest(step_material(**{**base, "args": {"B": "2", "A": "1"}})) == \
@@ -120,8 +120,8 @@ def test_verify_expectations_are_in_the_digest_and_checked_at_load(tmp_path):
     from orchestrator.errors import InputError as IE
     from orchestrator.imagechain.spec import Verify
     from orchestrator import schema
-    base = dict(kind="docker-build", chain="c", step="s", text="FROM x\n", args={}, inputs=[],
-                parent_id="sha256:p", uses={})
+    base = dict(kind="docker-build", chain="c", step="s", platform="linux/amd64", text="FROM x\n", args={},
+                inputs=[], parent_id="sha256:p", uses={})
     def d(v):
         return step_digest(step_material(**base, extra={"verify": schema.to_dict(v)}))
     two = Verify(expect_lines=("VERIFY mxfp8: HIT", "VERIFY sparse_mla: HIT"))

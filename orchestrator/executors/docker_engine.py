@@ -213,8 +213,11 @@ def image_id(client: docker.DockerClient, ref: str) -> str | None:
 def build_image(client: docker.DockerClient, context: BinaryIO, *, where: str,
                 dockerfile: str = "Dockerfile", buildargs: dict[str, str] | None = None, labels: dict[str, str] | None = None,
                 on_line: LineFn = lambda line: None, timeout: float = 3600.0,
-                nocache: bool = False, cancel: threading.Event | None = None) -> str:
+                nocache: bool = False, cancel: threading.Event | None = None, platform: str | None = None) -> str:
     """`docker build` of an uncompressed context tar (DOCKERFILE at its root); returns the image ID.
+
+    PLATFORM (linux/arm64, linux/amd64): `docker build --platform`, what the image is built for (the
+    build API's `platform`, API 1.32+); None: the engine's own.
 
     Output lines go to ON_LINE as they come. `timeout` bounds the whole build and each silence.
     A failure raises BuildError with the engine's message and the output tail; nothing is pulled.
@@ -232,7 +235,7 @@ def build_image(client: docker.DockerClient, context: BinaryIO, *, where: str,
     stream = client.api.build(fileobj=context, custom_context=True, dockerfile=dockerfile, rm=True,
                               forcerm=True, pull=False,
                               buildargs=buildargs or {}, labels=labels or {}, nocache=nocache,
-                              decode=True, timeout=timeout)
+                              decode=True, timeout=timeout, platform=platform)
     try:
         for item in stream:
             if cancel is not None and cancel.is_set():
@@ -454,9 +457,9 @@ def repo_digests(client: docker.DockerClient, ref: str) -> list[str]:
         return []
 
 
-def pull(client: docker.DockerClient, ref: str, *, where: str) -> str:
-    """Pull REF (repo:tag or repo@sha256:...) and return its image ID."""
+def pull(client: docker.DockerClient, ref: str, *, where: str, platform: str | None = None) -> str:
+    """Pull REF (repo:tag or repo@sha256:...), for PLATFORM if given (linux/arm64), and return its image ID."""
     try:
-        return client.images.pull(ref).id
+        return client.images.pull(ref, platform=platform).id
     except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
         raise EngineError(where, f"cannot pull {ref}: {e}") from None

@@ -7,6 +7,11 @@ verification passed, so it means "this digest was built and verified"; lookup is
 tag (labels are inherited by child images, so a label search could return a descendant). A no-op run
 therefore costs one inspect per step plus hashing the inputs.
 
+Platform: every step is built for the chain's platform (its head's architecture: linux/arm64 for
+aarch64, linux/amd64 for x86_64; the build API's `platform`, `docker build --platform`), the base
+image is checked to be that platform before anything is built (its config's Architecture/Variant),
+and so is every step's image after it is built or reused; a mismatch fails naming the image.
+
 Checks: inputs exist and have the expected shape (spec.check_inputs, before the engine is contacted);
 a patch step's destinations exist in the image below (a moved module fails naming the patch and the
 path); a verification whose output lacks its marker or one of its required lines fails with the
@@ -27,6 +32,7 @@ from typing import Any, Callable, Protocol
 import docker
 
 from .. import schema
+from .. import platforms as oci
 from ..executors import docker_engine as de
 from .context import TarBuilder
 from .digest import file_sha256, hash_tree, step_digest, step_material
@@ -74,6 +80,7 @@ class StepReport:
     status: str = "not-run"                 # built | reused | failed | not-run
     digest: str = ""
     image_id: str = ""
+    platform: str = ""                      # the image's platform as its config says it (linux/arm64/v8)
     seconds: float = 0.0
     log: str = ""
     message: str = ""
@@ -88,6 +95,8 @@ class BuildReport:
     engine: str
     image: str
     status: str = "running"                 # ok | failed
+    platform: str = ""                      # what every step is built for: linux/arm64 | linux/amd64
+    arch: str = ""                          # the head's architecture (uname -m) it is for
     base: dict[str, Any] = field(default_factory=dict)
     steps: list[StepReport] = field(default_factory=list)
     seconds: float = 0.0
@@ -126,6 +135,19 @@ class _StepError(Exception):
         self.tail = tail or []
 
 
+def platform_of(attrs: dict[str, Any]) -> str:
+    """An image's platform as its config (an inspect result) says it: linux/arm64/v8, linux/amd64."""
+    parts = [attrs.get("Os") or "?", attrs.get("Architecture") or "?"]
+    return "/".join(parts + ([attrs["Variant"]] if attrs.get("Variant") else []))
+
+
+def is_platform(attrs: dict[str, Any], arch: str) -> bool:
+    """Whether an image (its inspect result) is the platform a `uname -m` ARCH host runs: linux, and
+    arm64 with variant v8 or none for aarch64, amd64 for x86_64 (orchestrator/platforms.py)."""
+    return (attrs.get("Os") or "linux") == "linux" and \
+        oci.runs_on(attrs.get("Architecture") or "", attrs.get("Variant") or "", arch)
+
+
 def cache_ref(chain: str, step: str, digest: str) -> str:
     return f"{CACHE_REPO}/{chain}:{step}-{digest.split(':', 1)[-1]}"
 
@@ -136,18 +158,24 @@ def labels_for(chain: str, step: StepSpec, digest: str) -> dict[str, str]:
 
 
 class ChainBuilder:
+    """Builds CHAIN in CLIENT's engine for the chain's platform (chain.arch: the head's architecture).
+    WHERE names the engine in messages; HOST the host the image is for (default: WHERE)."""
+
     def __init__(self, client: docker.DockerClient, chain: LoadedChain, *, final_tag: str, where: str,
                  log_for: Callable[[str], StepLog], say: Callable[[str], None] = lambda s: None,
-                 cancel: threading.Event | None = None, no_cache: bool = False):
+                 cancel: threading.Event | None = None, no_cache: bool = False, host: str = ""):
         self.client, self.chain, self.final_tag, self.where = client, chain, final_tag, where
+        self.host = host or where
         self.log_for, self.say, self.cancel, self.no_cache = log_for, say, cancel, no_cache
         self._hashes: dict[tuple[str, tuple[str, ...]], str] = {}
+        self._platforms: dict[str, str] = {}       # image ID -> the platform its config says (checked)
         self.current_refs: set[str] = set()
 
     # -- the chain ----------------------------------------------------------------------------
     def build(self) -> BuildReport:
         t0 = time.monotonic()
-        report = BuildReport(self.chain.name, self.where, self.final_tag)
+        report = BuildReport(self.chain.name, self.where, self.final_tag, platform=self.chain.platform,
+                             arch=self.chain.arch)
         report.steps = [StepReport(s.name, s.kind) for s in self.chain.steps]
         ids: dict[str, str] = {}
         try:
@@ -189,20 +217,49 @@ class ChainBuilder:
     def _base(self, report: BuildReport) -> str:
         b = self.chain.lock.base
         ref = f"{de.repository(b.image)}@{b.digest}" if b.digest else b.image
+        platform, arch = self.chain.platform, self.chain.arch
         iid = de.image_id(self.client, ref)
         if iid is None:
-            self.say(f"  base image {ref} is not in the engine: pulling it")
+            self.say(f"  base image {ref} is not in the engine: pulling it for {platform}")
             try:
-                iid = de.pull(self.client, ref, where=self.where)
+                iid = de.pull(self.client, ref, where=self.where, platform=platform)
             except de.EngineError as e:
                 raise _StepError(f"base image {ref} is not in the engine ({self.where}) and could not be pulled "
-                                 f"({e}). Load it there (`docker save {b.image} | ssh HEAD docker load`) or "
-                                 f"give the engine registry access") from None
+                                 f"for {platform} ({e}). Load its {platform} build there (`docker save {b.image} "
+                                 f"| ssh HEAD docker load`) or give the engine registry access") from None
+        attrs = self.client.api.inspect_image(iid)
+        found = platform_of(attrs)
+        if not is_platform(attrs, arch):
+            raise _StepError(
+                f"base image {ref} ({iid[:19]}) in the engine of {self.where} is {found}, but the image is for "
+                f"{self.host}, whose architecture is {arch} ({platform}): every step would be built on the "
+                f"wrong platform. Put the {platform} build of {b.image} in that engine (`docker pull --platform "
+                f"{platform} {b.image}` there, or `docker save` it on a {arch} machine and `docker load` it "
+                f"there), or point the lock's base ({self.chain.lock_file}) at a {platform} image")
         if not b.digest and b.image_id and b.image_id != iid:
             report.notes.append(f"base {b.image} is now image {iid[:19]}, the lock recorded {b.image_id[:19]}: "
                                 "every step rebuilds on the new base (run --update-lock to record it)")
-        report.base = {"image": b.image, "ref": ref, "image_id": iid, "digest": b.digest, "source": b.source}
+        report.base = {"image": b.image, "ref": ref, "image_id": iid, "digest": b.digest, "source": b.source,
+                       "platform": found}
         return iid
+
+    def _check_platform(self, step: StepSpec, image: str, cached: str = "",
+                        attrs: dict[str, Any] | None = None) -> str:
+        """The platform IMAGE's config says (linux/arm64/v8); _StepError naming STEP when it is not
+        the chain's. CACHED: the cache tag it was reused from; ATTRS: its inspect result, if read."""
+        attrs = attrs or self.client.api.inspect_image(image)
+        found = platform_of(attrs)
+        if is_platform(attrs, self.chain.arch):
+            return found
+        want = self.chain.platform
+        if cached:
+            raise _StepError(f"the cached image of step {step.name}, {cached} ({image[:19]}), is {found}, not "
+                             f"{want} (the platform of {self.host}, {self.chain.arch}): something other than this "
+                             f"build tagged it. Remove it (`docker rmi {cached}` there) and build again")
+        why = de.remove_image(self.client, image)
+        raise _StepError(f"step {step.name} built image {image[:19]} as {found}, not {want} (the platform of "
+                         f"{self.host}, {self.chain.arch}): the engine ({self.where}) did not build for the platform "
+                         f"asked; the image was removed" + (f" (not: {why})" if why else ""))
 
     def _step(self, step: StepSpec, ids: dict[str, str], rep: StepReport, log: StepLog) -> str:
         if self.cancel is not None and self.cancel.is_set():
@@ -219,25 +276,32 @@ class ChainBuilder:
         rep.digest = digest
         ref = cache_ref(self.chain.name, step.name, digest)
         self.current_refs.add(ref)
+        checked = step.kind != "run-copy-out"      # an artifact image is files for COPY --from, no platform's
         if not self.no_cache:
-            cached = self._lookup(ref, digest)
-            if cached:
+            attrs = self._lookup(ref, digest)
+            if attrs:
+                cached = attrs["Id"]
+                if checked:
+                    rep.platform = self._check_platform(step, cached, ref, attrs)
                 rep.status, rep.image_id = "reused", cached
-                log.write(f"reused {cached} ({ref})")
+                log.write(f"reused {cached} ({ref})" + (f", {rep.platform}" if checked else ""))
                 return cached
-        log.write(f"building: digest {digest} (no image {ref})")
+        log.write(f"building for {self.chain.platform}: digest {digest} (no image {ref})")
         image = plan["run"](log, digest)
-        de.tag_image(self.client, image, ref)      # last: the tag means built and verified
+        if checked:
+            rep.platform = self._platforms.get(image) or self._check_platform(step, image)
+        de.tag_image(self.client, image, ref)      # last: the tag means built, verified and of its platform
         rep.status, rep.image_id = "built", image
         return image
 
-    def _lookup(self, ref: str, digest: str) -> str | None:
+    def _lookup(self, ref: str, digest: str) -> dict[str, Any] | None:
+        """The inspect result of the cache image REF when it is DIGEST's (one inspect)."""
         try:
             attrs = self.client.api.inspect_image(ref)
         except docker.errors.NotFound:
             return None
         labels = (attrs.get("Config") or {}).get("Labels") or {}
-        return attrs["Id"] if labels.get("deployctl.digest") == digest else None
+        return attrs if labels.get("deployctl.digest") == digest else None
 
     # -- inputs -------------------------------------------------------------------------------
     def _hash(self, ref: InputRef) -> str:
@@ -268,9 +332,9 @@ class ChainBuilder:
         else:
             text = self._render(step.dockerfile, step=step, steps=uses, parent=parent_id)
         args = {"BASE": parent_id, **step.args}
-        material = step_material(kind=step.kind, chain=self.chain.name, step=step.name, text=text, args=args,
-                                 inputs=self._input_material(step.inputs), parent_id=parent_id, uses=uses,
-                                 extra={"verify": schema.to_dict(step.verify)})
+        material = step_material(kind=step.kind, chain=self.chain.name, step=step.name, platform=self.chain.platform,
+                                 text=text, args=args, inputs=self._input_material(step.inputs), parent_id=parent_id,
+                                 uses=uses, extra={"verify": schema.to_dict(step.verify)})
 
         def run(log: StepLog, digest: str) -> str:
             tar = TarBuilder()
@@ -291,13 +355,17 @@ class ChainBuilder:
         tar.add_bytes(DOCKERFILE_NAME, f"{text.rstrip()}\nLABEL {labels}\n".encode())
         ctx = tar.finish()
         try:
-            return de.build_image(self.client, ctx, where=self.where, dockerfile=DOCKERFILE_NAME, buildargs=args,
-                                  on_line=on_line, timeout=step.timeout_s, nocache=self.no_cache,
-                                  cancel=self.cancel)
+            image = de.build_image(self.client, ctx, where=self.where, dockerfile=DOCKERFILE_NAME, buildargs=args,
+                                   on_line=on_line, timeout=step.timeout_s, nocache=self.no_cache,
+                                   cancel=self.cancel, platform=self.chain.platform)
         except de.BuildError as e:
             raise _StepError(e.args[0].split(": ", 1)[-1], e.tail) from None
         finally:
             ctx.close()
+        if step.kind != "run-copy-out":            # before any verification runs it
+            self._platforms[image] = self._check_platform(step, image)
+            on_line(f"deployctl: image {image} is {self._platforms[image]}")
+        return image
 
     def _verify(self, step: StepSpec, image: str, log: StepLog, build_output: str) -> None:
         v = step.verify
@@ -333,8 +401,9 @@ class ChainBuilder:
         text = self._render(step.dockerfile or self.chain.spec.patch_template, step=step, steps=uses,
                             parent=parent_id, patches=patches)
         args = {"BASE": parent_id, **step.args}
-        material = step_material(kind=step.kind, chain=self.chain.name, step=step.name, text=text, args=args,
-                                 inputs=[(p["src"], p["sha"]) for p in patches], parent_id=parent_id, uses=uses,
+        material = step_material(kind=step.kind, chain=self.chain.name, step=step.name, platform=self.chain.platform,
+                                 text=text, args=args, inputs=[(p["src"], p["sha"]) for p in patches],
+                                 parent_id=parent_id, uses=uses,
                                  extra={"verify": schema.to_dict(step.verify)} if step.verify else None)
 
         def run(log: StepLog, digest: str) -> str:
@@ -379,8 +448,9 @@ class ChainBuilder:
     def _plan_run_copy_out(self, step: StepSpec, parent_id: str) -> dict[str, Any]:
         argv = ["/bin/sh", "/deployctl/run.sh", step.workdir, step.shell, *step.outputs]
         artifact = self._render(self.chain.spec.artifact_template, step=step)
-        material = step_material(kind=step.kind, chain=self.chain.name, step=step.name, text=step.script, args={},
-                                 inputs=self._input_material(step.inputs), parent_id=parent_id, uses={},
+        material = step_material(kind=step.kind, chain=self.chain.name, step=step.name, platform=self.chain.platform,
+                                 text=step.script, args={}, inputs=self._input_material(step.inputs),
+                                 parent_id=parent_id, uses={},
                                  extra={"argv": argv, "wrapper": WRAPPER, "env": step.env, "gpus": step.gpus,
                                         "artifact": artifact})
 

@@ -1,8 +1,9 @@
 """Content hashing of inputs and the per-step digest.
 
-A step's digest = sha256 of a canonical JSON "material": the step kind, the rendered Dockerfile (or
-script), build args, the content hash of every input (with where it goes), the parent image ID and
-the IDs of the images it uses. `step_digest` is pure; `hash_tree` reads files.
+A step's digest = sha256 of a canonical JSON "material": the step kind, the platform it is built for
+(linux/arm64, linux/amd64: an arm64 build never reuses an amd64 cache image, whatever else they share),
+the rendered Dockerfile (or script), build args, the content hash of every input (with where it goes),
+the parent image ID and the IDs of the images it uses. `step_digest` is pure; `hash_tree` reads files.
 
 `walk` is the single file walk both the hash and the upload tars use, so what is hashed is exactly
 what is shipped: relative path, type, executable bit, content (or symlink target).
@@ -102,11 +103,12 @@ def step_digest(material: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(canonical({"v": DIGEST_VERSION, **material})).hexdigest()
 
 
-def step_material(*, kind: str, chain: str, step: str, text: str, args: dict[str, str],
+def step_material(*, kind: str, chain: str, step: str, platform: str, text: str, args: dict[str, str],
                   inputs: list[tuple[str, str]], parent_id: str, uses: dict[str, str],
                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What a step's digest covers. `text` is the rendered Dockerfile or the script;
-    `inputs` = (destination, content hash) pairs; `uses` = step name -> image ID."""
-    return {"kind": kind, "chain": chain, "step": step, "text": text, "args": dict(sorted(args.items())),
-            "inputs": sorted(inputs), "parent": parent_id, "uses": dict(sorted(uses.items())),
-            "extra": extra or {}}
+    """What a step's digest covers. `platform` is the image platform built for (linux/arm64);
+    `text` is the rendered Dockerfile or the script; `inputs` = (destination, content hash) pairs;
+    `uses` = step name -> image ID."""
+    return {"kind": kind, "chain": chain, "step": step, "platform": platform, "text": text,
+            "args": dict(sorted(args.items())), "inputs": sorted(inputs), "parent": parent_id,
+            "uses": dict(sorted(uses.items())), "extra": extra or {}}

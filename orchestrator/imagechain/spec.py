@@ -31,6 +31,7 @@ import jinja2
 from .. import checks, schema, yamlfile
 from ..errors import InputError
 from ..paths import DOCKERFILES_DIR
+from .. import platforms as oci
 from . import wheelhouse
 from .wheelhouse import ROOT as WHEELHOUSE_ROOT, Wheelhouse
 
@@ -159,13 +160,13 @@ class StepSpec:
 
 @dataclass(frozen=True)
 class WheelhouseSpec:
-    """The chain's wheels (imagechain/wheelhouse.py): a sha256-pinned lock below dockerfiles/chains/,
-    fetched for the image's interpreter and platform; steps get the folder as input root `wheelhouse`."""
+    """The chain's wheels (imagechain/wheelhouse.py): a sha256-pinned lock next to the chain file, one
+    section per architecture, fetched for the image's interpreter and the head's platform; steps get
+    the folder as input root `wheelhouse`."""
     lock: str
     python_version: str = "3.11"
     glibc: str = "2.36"                   # the image's glibc: the newest manylinux tag its wheels may carry
-    arch: str = "x86_64"
-    debs: str = ""                        # Debian packages the wheels link (pinned file below dockerfiles/chains/)
+    debs: str = ""                        # Debian packages the wheels link (pinned file next to the chain)
 
     def validate(self, path: str, file: str) -> None:
         if not re.fullmatch(r"2\.\d+", self.glibc) or int(self.glibc.split(".")[1]) < 5:
@@ -257,7 +258,13 @@ class LoadedChain:
     vars: dict[str, str]                  # resolved (chain < lock < overrides), rendered
     roots: dict[str, Path]                # input roots, absolute
     steps: tuple[StepSpec, ...]           # every string field rendered with vars
-    wheelhouse: Wheelhouse | None = None  # the chain's wheels (root `wheelhouse`), fetched by the build stage
+    wheelhouse: Wheelhouse | None = None  # the chain's wheels for `arch` (root `wheelhouse`), fetched by the build stage
+    arch: str = "x86_64"                  # uname -m of the head the image is for (aarch64 | x86_64)
+
+    @property
+    def platform(self) -> str:
+        """The image platform the chain is built for and checked to be: linux/arm64, linux/amd64."""
+        return oci.for_machine(self.arch).docker
 
     def root_key(self, root: str) -> str | None:
         """A root whose content a lock fixes (the wheelhouse: every file pinned by sha256) is hashed
@@ -358,10 +365,34 @@ def render_value(value, variables: dict[str, str], file: str, key: str):
     return value
 
 
-def load_chain(name_or_path: str, *, lock_file: str | Path | None = None, inputs_dir: str | None = None,
-               input_roots: dict[str, str] | None = None, var_overrides: dict[str, str] | None = None
-               ) -> LoadedChain:
-    """Load a chain and its lock; apply overrides; render variables into every step."""
+class ChainUnavailable(InputError):
+    """The chain cannot be built for an architecture: its wheel lock pins nothing for it, and says why.
+    Exit 2; raised while planning, before anything is built or contacted."""
+
+    def __init__(self, chain: str, arch: str, reason: str, available: tuple[str, ...], file: str):
+        self.chain, self.arch, self.reason, self.available = chain, arch, reason, available
+        super().__init__(f"chain {chain} cannot be built for {arch}: {reason}", file=file)
+
+    def advice(self, who: str) -> str:
+        """What to do, for WHO (e.g. 'recipe vllm-cpu')."""
+        where = " or ".join(self.available) if self.available else ""
+        return ((f"run {who} on {where} hosts, or " if where else "") +
+                f"regenerate {Path(self.file or '').name} with {self.arch} wheels once they exist "
+                f"(dockerfiles/README.md, \"Wheelhouse\")")
+
+
+DEFAULT_ARCH = "x86_64"   # for readers of a chain (tests, docs); every build passes its head's Host.arch
+
+
+def load_chain(name_or_path: str, *, arch: str = DEFAULT_ARCH, lock_file: str | Path | None = None,
+               inputs_dir: str | None = None, input_roots: dict[str, str] | None = None,
+               var_overrides: dict[str, str] | None = None) -> LoadedChain:
+    """Load a chain and its lock for a head of architecture ARCH (`uname -m`: aarch64, x86_64): its
+    wheel lock's section for ARCH (ChainUnavailable when the lock has none), the platform its images
+    are built for; apply overrides; render variables into every step."""
+    if arch not in wheelhouse.ARCHES:
+        raise InputError(f"cannot build an image for architecture {arch!r}: deployctl builds for "
+                         f"{', '.join(wheelhouse.ARCHES)} (the `uname -m` of the head)", key="arch")
     cfile = chain_path(name_or_path)
     spec: ChainSpec = _load(ChainSpec, cfile)
     lfile = Path(lock_file) if lock_file else lock_path_for(cfile)
@@ -388,11 +419,14 @@ def load_chain(name_or_path: str, *, lock_file: str | Path | None = None, inputs
     wh = None
     if spec.wheelhouse is not None:
         w = spec.wheelhouse
-        wh = wheelhouse.load(CHAINS_DIR / w.lock, w.python_version, wheelhouse.platforms(w.glibc, w.arch),
-                             CHAINS_DIR / w.debs if w.debs else None)
+        try:
+            wh = wheelhouse.load(cfile.parent / w.lock, arch, w.python_version, w.glibc,
+                                 cfile.parent / w.debs if w.debs else None)
+        except wheelhouse.Unavailable as e:
+            raise ChainUnavailable(spec.name, arch, e.reason, e.available, str(e.file)) from None
         roots[WHEELHOUSE_ROOT] = wh.folder
     steps = tuple(render_value(s, variables, str(cfile), f"steps[{i}]") for i, s in enumerate(spec.steps))
-    loaded = LoadedChain(spec, lock, cfile, lfile, variables, roots, steps, wh)
+    loaded = LoadedChain(spec, lock, cfile, lfile, variables, roots, steps, wh, arch)
     for i, s in enumerate(steps):
         refs = list(s.inputs) + ([s.dockerfile_input] if s.dockerfile_input else [])
         for ref in refs:
@@ -409,14 +443,32 @@ def load_chain(name_or_path: str, *, lock_file: str | Path | None = None, inputs
     return loaded
 
 
+def chain_for(name_or_path: str, host: Any, who: str, load: Any = None, **kw: Any) -> Any:
+    """Chain NAME_OR_PATH for HOST (an inventory Host: the image is built for its `arch`, the `uname -m`
+    preflight checks it reports), through LOAD (load_chain, the default, or ready_chain) with KW. A
+    chain that cannot exist there is an InputError (exit 2) naming WHO asks for it ('recipe vllm-cpu',
+    'the router'), HOST, its architecture, the lock's reason and what to do. Returns what LOAD does."""
+    if host.arch not in wheelhouse.ARCHES:
+        raise InputError(f"{who} needs an image built for {host.name}, whose architecture is {host.arch!r}: "
+                         f"deployctl builds images for {', '.join(wheelhouse.ARCHES)} only",
+                         key=f"all.hosts.{host.name}.expect_arch")
+    try:
+        return (load or load_chain)(name_or_path, arch=host.arch, **kw)
+    except ChainUnavailable as u:
+        raise InputError(f"{who} needs image chain {u.chain} built for {host.name}, whose architecture is "
+                         f"{host.arch} (hardware {host.hardware}), and the chain cannot exist there: {u.reason}. "
+                         f"What to do: {u.advice(who)}", file=u.file) from None
+
+
 # ------------------------------------------------------------------------------------------------
 # Checks of the inputs (local files only; run before the engine is contacted)
 
-def ready_chain(name_or_path: str, say=lambda msg: None, **load: Any) -> tuple[LoadedChain, list[str]]:
-    """Chain NAME_OR_PATH (load_chain's keywords) ready to build: its wheelhouse fetched (on the
-    controller, once per lock: the build itself has no network) and its inputs checked (InputError:
-    exit 2, nothing touched); with check_inputs' notes. What every builder of a chain does first."""
-    chain = load_chain(name_or_path, **load)
+def ready_chain(name_or_path: str, say=lambda msg: None, *, arch: str, **load: Any) -> tuple[LoadedChain, list[str]]:
+    """Chain NAME_OR_PATH (load_chain's keywords) ready to build for a head of architecture ARCH: its
+    wheelhouse for ARCH fetched (on the controller, whatever its own architecture, once per lock
+    section: the build itself has no network) and its inputs checked (InputError: exit 2, nothing
+    touched); with check_inputs' notes. What every builder of a chain does first."""
+    chain = load_chain(name_or_path, arch=arch, **load)
     if chain.wheelhouse is not None:
         wheelhouse.ensure(chain.wheelhouse, say=say)
     return chain, check_inputs(chain)

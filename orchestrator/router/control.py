@@ -1,7 +1,9 @@
 """The router's side effects on its host (layout.py says what goes where; docs/router.md why).
 
-image()     the router image on the router host: built there from dockerfiles/chains/router.yml
-            (cached per step, like the serving image) unless the inventory names its own
+image()     the router image on the router host: built there from dockerfiles/chains/router.yml for
+            that host's architecture (cached per step, like the serving image) unless the inventory
+            names its own; image_plan() is what the plan says of it (and refuses a host the chain
+            cannot be built for)
 install()   its files and container, replaced only when its config, image, client key or keeper
             changed (an entry in its release record each time); otherwise left running
 join()      a deployment's workers file, then wait until the keeper registered it (healthy) with the
@@ -67,11 +69,25 @@ def check(dep: "Deployment") -> "RouterConf":
 
 # ------------------------------------------------------------------------------------ image
 
+def image_plan(conf: "RouterConf") -> dict[str, Any]:
+    """What the plan says of the router image (pure: reads the chain and its lock): built from the
+    router chain for the router host's architecture, with that architecture's wheel count; an
+    InputError (exit 2) when the chain's lock pins nothing for it, naming the host, its architecture
+    and why. The inventory's own image (all.vars.router.image) is taken as it is."""
+    from ..imagechain.spec import chain_for
+    if conf.image != DEFAULT_IMAGE:
+        return {"image": conf.image, "built": False}
+    chain = chain_for(CHAIN, conf.host, "the router (all.vars.router)")
+    w = chain.wheelhouse
+    return {"image": conf.image, "built": True, "chain": chain.name, "arch": chain.arch, "platform": chain.platform,
+            **({"wheels": len(w.pins), "lock": str(w.lock_file)} if w else {})}
+
+
 def image(dep: "Deployment", ctx: "RunContext") -> tuple[str, str]:
-    """(image id, what happened) for the router image on the router host."""
+    """(image id, what happened) for the router image on the router host, built for its architecture."""
     from ..executors import docker_engine as de
     from ..imagechain.builder import ChainBuilder, ChainFailed
-    from ..imagechain.spec import ready_chain
+    from ..imagechain.spec import chain_for, ready_chain
     conf = dep.cluster.router
     assert conf is not None
     client = de.engine_client(dep.cluster, conf.host)
@@ -83,9 +99,10 @@ def image(dep: "Deployment", ctx: "RunContext") -> tuple[str, str]:
                                   f"{conf.host.name}'s engine: load it there, or drop the key to have deployctl "
                                   f"build {DEFAULT_IMAGE}")
             return iid, f"{conf.image} = {iid[:19]} (the inventory's own)"
-        chain, _ = ready_chain(CHAIN, say=ctx.say)
+        chain, _ = chain_for(CHAIN, conf.host, "the router (all.vars.router)", ready_chain, say=ctx.say)
         where = f"{conf.host.name} ({conf.host.ssh_url}): {de.engine_name(client)}"
         builder = ChainBuilder(client, chain, final_tag=conf.image, where=where,
+                               host=conf.host.name,
                                log_for=lambda step: ctx.host_log(conf.host.name, f"router-build-{step}"),
                                say=ctx.say, cancel=ctx.cancel)
         try:
@@ -93,8 +110,9 @@ def image(dep: "Deployment", ctx: "RunContext") -> tuple[str, str]:
         except ChainFailed as f:
             raise HostFailure(f"router image not built on {conf.host.name}: {f}") from None
         if report.built:
-            return report.image_id, f"{conf.image} built ({', '.join(report.built)}) in {report.seconds:.1f}s"
-        return report.image_id, f"{conf.image} is up to date ({report.image_id[:19]})"
+            return report.image_id, (f"{conf.image} built for {report.platform} ({', '.join(report.built)}) "
+                                     f"in {report.seconds:.1f}s")
+        return report.image_id, f"{conf.image} is up to date ({report.image_id[:19]}, {report.platform})"
     finally:
         client.close()
 

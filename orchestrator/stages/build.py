@@ -1,8 +1,11 @@
 """build: the serving image, built from its chain (dockerfiles/chains/<engine.chain>.yml) on the head
-node's Docker engine (a Spark builds natively for aarch64), cached per step.
+node's Docker engine (a Spark builds natively for aarch64), for the head's platform, cached per step.
 
-plan() reads the chain and lock definitions (repo data, like the recipe) to list the steps; it never
-contacts an engine nor hashes inputs, so step digests are not known at plan time.
+plan() reads the chain and lock definitions (repo data, like the recipe) for the head's architecture
+(Host.arch: what preflight checks the head reports) to list the steps; a chain whose lock pins nothing
+for that architecture is refused here (exit 2, naming the chain, the head, its architecture and the
+lock's reason), before anything is built or contacted. It never contacts an engine nor hashes inputs,
+so step digests are not known at plan time.
 apply() checks the inputs on this machine (bad input: exit 2, before any engine is contacted), then on
 the head: resolves the base, reuses or builds every step, tags engine.image, writes build-report.json
 to the run record. Options (ctx.options, a RunOptions, from `deployctl build`): local, update_lock, prune,
@@ -15,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..executors.docker_cli import docker_sh
 from ..imagechain import lock as locks
-from ..imagechain.spec import load_chain, ready_chain
+from ..imagechain.spec import LoadedChain, chain_for, ready_chain
 from ..outcomes import HostResult, run_per_host
 from ..plan import Action
 from ..runoptions import RunOptions
@@ -32,31 +35,41 @@ def plan(dep: "Deployment", options: RunOptions) -> tuple[list[Action], str]:
     e, head = dep.recipe.engine, dep.cluster.head_host
     if not e.chain:
         return [], dep.loaded.chain_skipped or f"engine.chain is not set: image {e.image} is used as it is"
-    chain = load_chain(e.chain)
+    chain = chain_for(e.chain, head, f"recipe {dep.recipe.name}")
     steps = [{"name": s.name, "kind": s.kind, "parent": chain.parent_of(s), "uses": list(s.uses),
               "description": s.description,
               **({"verify": s.verify.expect} if s.verify else {}),
               **({"patches": len(s.patches)} if s.kind == "patch" else {})} for s in chain.steps]
     act = Action(
         "build", head.name, "docker-build",
-        f"build {e.image} from chain {chain.name} ({len(steps)} steps, cached per step) on {head.name}'s engine",
-        api=(f"Docker SDK at {head.ssh_url} ({docker_sh(head, 'system', 'dial-stdio')}): per step, "
-             f"inspect deployctl-cache/{chain.name}:<step>-<digest>, build the missing ones, tag {e.image}"),
-        details={"image": e.image, "chain": chain.name, "chain_file": str(chain.chain_file),
-                 "lock_file": str(chain.lock_file), "base": chain.lock.base.image,
-                 "base_digest": chain.lock.base.digest, "inputs_dir": str(chain.roots["inputs"]),
-                 **({"wheelhouse": {"lock": str(chain.wheelhouse.lock_file), "wheels": len(chain.wheelhouse.pins),
-                                    "folder": str(chain.wheelhouse.folder)}} if chain.wheelhouse else {}),
+        f"build {e.image} for {chain.platform} ({head.name} is {head.arch}) from chain {chain.name} "
+        f"({len(steps)} steps, cached per step) on {head.name}'s engine",
+        api=(f"Docker SDK at {head.ssh_url} ({docker_sh(head, 'system', 'dial-stdio')}): check the base is "
+             f"{chain.platform}; per step, inspect deployctl-cache/{chain.name}:<step>-<digest>, build the missing "
+             f"ones with platform {chain.platform}, check each image is {chain.platform}, tag {e.image}"),
+        details={"image": e.image, "chain": chain.name, "arch": chain.arch, "platform": chain.platform,
+                 "chain_file": str(chain.chain_file), "lock_file": str(chain.lock_file),
+                 "base": chain.lock.base.image, "base_digest": chain.lock.base.digest,
+                 "inputs_dir": str(chain.roots["inputs"]),
+                 **({"wheelhouse": wheelhouse_details(chain)} if chain.wheelhouse else {}),
                  "steps": steps})
     return [act], ""
+
+
+def wheelhouse_details(chain: LoadedChain) -> dict[str, Any]:
+    """What the plan says of a chain's wheelhouse: the lock, the architecture and its wheel count."""
+    w = chain.wheelhouse
+    assert w is not None
+    return {"lock": str(w.lock_file), "arch": w.arch, "wheels": len(w.pins), "debs": len(w.debs),
+            "folder": str(w.folder)}
 
 
 def apply(dep: "Deployment", actions: list[Action], ctx: "RunContext") -> list[HostResult]:
     opts = ctx.options
     e = dep.recipe.engine
     assert e.chain
-    chain, notes = ready_chain(e.chain, say=ctx.say, inputs_dir=opts.inputs_dir, input_roots=opts.input_roots,
-                               var_overrides=opts.chain_vars)
+    chain, notes = chain_for(e.chain, dep.cluster.head_host, f"recipe {dep.recipe.name}", ready_chain, say=ctx.say,
+                             inputs_dir=opts.inputs_dir, input_roots=opts.input_roots, var_overrides=opts.chain_vars)
 
     def one(action: Action, log: "HostLog") -> HostResult:
         return _build_on(dep, action, log, ctx, chain, notes)
@@ -83,7 +96,8 @@ def _build_on(dep, action, log, ctx, chain, notes) -> HostResult:
             msg += f"; lock {chain.lock_file} {'updated' if changed else 'unchanged'}"
             log.write(msg)
             ctx.say(f"  {msg}")
-        builder = ChainBuilder(client, chain, final_tag=e.image, where=engine,
+        log.write(f"building for {chain.platform}: {head.name} is {head.arch}")
+        builder = ChainBuilder(client, chain, final_tag=e.image, where=engine, host=head.name,
                                log_for=lambda step: ctx.host_log(head.name, f"build-{step}"),
                                say=ctx.say, cancel=ctx.cancel, no_cache=opts.no_cache)
         try:
@@ -100,11 +114,12 @@ def _build_on(dep, action, log, ctx, chain, notes) -> HostResult:
     finally:
         client.close()
     _record(ctx, report, log)
-    msg = (f"{e.image} = {report.image_id[:19]}: {len(report.built)} step(s) built, "
+    msg = (f"{e.image} = {report.image_id[:19]} ({report.platform}): {len(report.built)} step(s) built, "
            f"{len(report.reused)} reused in {report.seconds:.1f}s")
     status = "skipped" if not report.built and not report.tag_changed else "ok"
     if status == "skipped":
-        msg = f"{e.image} is up to date ({report.image_id[:19]}, all {len(report.reused)} steps reused)"
+        msg = (f"{e.image} is up to date ({report.image_id[:19]}, {report.platform}, all {len(report.reused)} "
+               "steps reused)")
     return HostResult(head.name, "build", status, msg, data={"report": report.to_json()})
 
 

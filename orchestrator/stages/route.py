@@ -13,19 +13,21 @@ def plan(dep, options: RunOptions):
     conf = dep.cluster.router
     if conf is None:
         return [], "no router (all.vars.router is unset): clients use the deployment's own API"
-    from ..router.control import check
+    from ..router.control import check, image_plan
     check(dep)
     w = layout.worker(dep)
     if options.route_check_only:
         return [Action("route", conf.host.name, "router-check",
                        f"check the router at {conf.url}: /health answers, /v1/models lists {w['model']}, its keeper "
                        f"routes {dep.name} to {w['url']} (read-only)", details={"router": conf.url, "model": w["model"]})], ""
-    what = (f"router {layout.CONTAINER} at {conf.url} ({conf.image}, built there from dockerfiles/chains/router.yml "
-            f"when missing; started unless running as configured): model {w['model']} -> {w['url']} "
-            f"registered once its /health answers")
+    image = image_plan(conf)
+    built = (f"built there for {image['platform']} from dockerfiles/chains/router.yml when missing"
+             if image["built"] else "the inventory's own")
+    what = (f"router {layout.CONTAINER} at {conf.url} ({conf.image}, {built}; started unless running as "
+            f"configured): model {w['model']} -> {w['url']} registered once its /health answers")
     return [Action("route", conf.host.name, "router", what,
                    details={"router": conf.url, "model": w["model"], "engine": w["url"],
-                            "state_dir": layout.state_dir(conf)})], ""
+                            "state_dir": layout.state_dir(conf), "image": image})], ""
 
 
 def apply(dep, actions, ctx):
