@@ -149,14 +149,6 @@ def check_fit(cluster: Cluster, loaded: LoadedRecipe) -> None:
             f"recipe {r.name} needs {par.nodes} node(s) (tensor_parallel {par.tensor_parallel} = "
             f"{par.nodes} nodes x {par.gpus_per_node} GPU); the inventory has {len(cluster.hosts)}",
             file=f, key=cluster.hosts_key)
-    arches = {h.arch for h in cluster.hosts}
-    if len(arches) > 1:
-        # one image serves every rank: it is built for the head's platform and cannot run on another
-        by = ", ".join(f"{h.name} {h.arch}" for h in cluster.hosts)
-        raise InputError(f"the hosts of deployment {cluster.name} differ in architecture ({by}): every rank "
-                         f"runs the one image built on the head {cluster.head}; put hosts of one architecture "
-                         f"in a deployment (several deployments may differ: all.vars.deployments)",
-                         file=f, key=cluster.hosts_key)
     for h in cluster.hosts:
         if h.hardware != r.hardware:
             raise InputError(f"host {h.name} is {h.hardware} but recipe {r.name} is for {r.hardware}",
@@ -165,3 +157,11 @@ def check_fit(cluster: Cluster, loaded: LoadedRecipe) -> None:
             raise InputError(f"host {h.name} has {h.gpus} GPU(s); recipe {r.name} needs "
                              f"{par.gpus_per_node} per node (tensor_parallel {par.tensor_parallel} = "
                              f"nodes x GPUs per node)", file=f, key=f"all.hosts.{h.name}.gpus")
+    arches = {h.arch for h in cluster.hosts}
+    if len(arches) > 1:
+        # one image serves every rank: it is built for the head's platform and cannot run on another
+        by = ", ".join(f"{h.name} {h.arch}" for h in cluster.hosts)
+        raise InputError(f"the hosts of deployment {cluster.name} differ in architecture ({by}): every rank "
+                         f"runs the one image built on the head {cluster.head}; put hosts of one architecture "
+                         f"in a deployment (several deployments may differ: all.vars.deployments)",
+                         file=f, key=cluster.hosts_key)
