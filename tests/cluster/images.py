@@ -8,6 +8,8 @@
                        ship it: fetch-model runs it from the serving image
 
 Both are cached in the local engine: `docker image inspect` finds them -> nothing is done.
+`ensure_base_images(arch="aarch64")` makes their arm64 counterparts instead, dctl-busybox:latest-arm64
+and dctl-debian:bookworm-arm64 (tests/cluster/arm64.py); base_image_names says which is which.
 """
 from __future__ import annotations
 
@@ -182,8 +184,22 @@ def _debian_current(engine: str) -> bool:
     return p.returncode == 0 and p.stdout.strip() == HUB_CLIENT
 
 
-def ensure_base_images(engine: str = LOCAL_ENGINE, debian: bool = True) -> list[str]:
-    """Make the base images in the local engine unless `docker image inspect` already finds them."""
+def base_image_names(arch: str | None = None) -> dict[str, str]:
+    """{canonical name: the local engine's image of ARCH} (default this machine's architecture)."""
+    from . import arm64
+    if arch is not None and arm64.emulated(arch):
+        return {BUSYBOX_IMAGE: arm64.BUSYBOX_IMAGE, DEBIAN_IMAGE: arm64.DEBIAN_IMAGE}
+    return {BUSYBOX_IMAGE: BUSYBOX_IMAGE, DEBIAN_IMAGE: DEBIAN_IMAGE}
+
+
+def ensure_base_images(engine: str = LOCAL_ENGINE, debian: bool = True, arch: str | None = None) -> list[str]:
+    """Make the base images in the local engine unless `docker image inspect` already finds them.
+    ARCH "aarch64" (or "arm64"): the arm64 ones (base_image_names); default this machine's."""
+    if arch is not None:
+        from . import arm64
+        if arm64.emulated(arch):
+            with _cache_lock():
+                return arm64.ensure_images(engine, debian)
     made = []
     with _cache_lock():
         if not image_present(BUSYBOX_IMAGE, engine):
