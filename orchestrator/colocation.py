@@ -122,7 +122,8 @@ def router_clashes(dep: Deployment) -> list[Clash]:
     return [Clash(r.host.name, "port", (dep.name, "router"),
                   f"{r.host.name}: port {port} is {mine[port]} of deployment {dep.name} and the router's {role} "
                   f"(all.vars.router.{key}): give one another port")
-            for port, role, key in ((r.port, "API", "port"), (r.metrics_port, "metrics", "metrics_port"))
+            for port, role, key in ((r.port, "API", "port"), (r.metrics_port, "metrics", "metrics_port"),
+                                    (r.backend, "backend (behind its key check, on 127.0.0.1)", "backend_port"))
             if port in mine]
 
 

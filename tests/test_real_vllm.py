@@ -751,7 +751,7 @@ def test_three_deployments_behind_one_router(cluster, vllm_image, hub, double_im
             p = up(inv, "-d", name, *extra[name])
             assert p.returncode == 0, out(p)
             assert "served at http://" in p.stdout + p.stderr, out(p)
-        code, doc = _via(cluster, "/v1/models", key=None)
+        code, doc = _via(cluster, "/v1/models")
         assert code == 200 and sorted(m["id"] for m in doc["data"]) == ["qwen-double", "tiny-llama", "tiny-llama-b"], doc
         # each model's own answer: through the router = straight from its deployment; the models differ
         ids_a, ids_b = _router_ids(cluster, SERVED), _router_ids(cluster, "tiny-llama-b")
@@ -768,7 +768,7 @@ def test_three_deployments_behind_one_router(cluster, vllm_image, hub, double_im
         with SteadyLoad(cluster, SERVED) as load:
             p = dctl("down", "-i", str(inv), "-d", "rvb", timeout=300)
             assert p.returncode == 0 and "removed from the router" in p.stderr, out(p)
-            code, doc = _via(cluster, "/v1/models", key=None)
+            code, doc = _via(cluster, "/v1/models")
             assert sorted(m["id"] for m in doc["data"]) == ["qwen-double", "tiny-llama"], doc
             p = up(inv, "-d", "rvb", "--skip", "build", "--set", "engine.args.max-num-seqs=4", "--json")
             assert p.returncode == 0, out(p)

@@ -57,7 +57,7 @@ def call(url: str, path: str, body: dict | None = None, key: str | None = ROUTER
 
 
 def models(url: str) -> list[str]:
-    code, raw = call(url, "/v1/models", key=None)
+    code, raw = call(url, "/v1/models")
     return sorted(m["id"] for m in json.loads(raw)["data"]) if code == 200 else [f"HTTP {code}"]
 
 
@@ -151,6 +151,10 @@ def test_two_deployments_behind_one_router(cluster, double_image, router_image, 
             code, _ = call(url, "/v1/chat/completions", {"model": "qwen-a", "messages": [{"role": "user", "content": "x"}]},
                            key=key)
             assert code == 401, (key, code)
+        # #59: /v1/models needs the key too, as vLLM's does (sglang-router 0.3.2 leaves it open: deployctl's
+        # front in the router's container checks it, hostside/router_front.py); /health stays open
+        assert [call(url, "/v1/models", key=k)[0] for k in (None, "sk-wrong-key-000000", ROUTER_KEY)] == [401, 401, 200]
+        assert call(url, "/health", key=None)[0] == 200
         # no key in the container's definition (argv, environment) nor in its processes' argv
         inspect = _docker(node3, "inspect", "deployctl-router").stdout
         assert ROUTER_KEY not in inspect and ENGINE_KEY not in inspect and "api_key" not in json.loads(inspect)[0]["Args"]
@@ -159,10 +163,12 @@ def test_two_deployments_behind_one_router(cluster, double_image, router_image, 
         assert ROUTER_KEY not in ps and ENGINE_KEY not in ps
         # TCP_NODELAY on the router's listening socket (its clients' connections inherit it): said in its
         # log, and read back from this machine on the socket itself (ss -i: no "nodelay" field; the kernel's
-        # own view through the router's process)
+        # own view through the router's process). With a client key the router listens on 127.0.0.1 at
+        # port + 1, behind the front on the router's address and port
         logs = _docker(node3, "logs", "deployctl-router")
-        assert f"TCP_NODELAY set on the router's listening socket (port {ROUTER_PORT})" in logs.stdout + logs.stderr
-        assert listener_nodelay(node3, ROUTER_PORT) == 1
+        assert f"TCP_NODELAY set on the router's listening socket (port {ROUTER_PORT + 1})" in logs.stdout + logs.stderr
+        assert "the clients' key is checked on every /v1/ path" in logs.stdout + logs.stderr
+        assert listener_nodelay(node3, ROUTER_PORT + 1) == 1
         # status without --deployment: both, healthy, each with its own model and host, and the router's
         # row with both deployments routed
         p = dctl("status", "-i", str(inv), "--json")

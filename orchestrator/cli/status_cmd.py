@@ -156,7 +156,8 @@ def _router_status(dep) -> dict[str, Any] | None:
         return None
     sh = HostShell(dep.cluster, conf.host)
     try:
-        return mask_data(control.read(conf, sh))
+        key = control.client_key(conf, str(dep.cluster.file))       # its /v1/models needs the clients' key
+        return mask_data(control.read(conf, sh, key.value if key else None))
     except DeployctlError as e:
         return {"host": conf.host.name, "url": conf.url, "error": str(e)}
     finally:

@@ -2,7 +2,8 @@
 that are healthy. Standard library only (it runs from the host-side zipapp, in the router image's
 python, which also holds sglang_router).
 
-    python3 deployctl-tables-*.pyz router launch /state/config.json   # the container's command
+    python3 deployctl-tables-*.pyz router launch /state/config.json   # the container's command (and,
+                                                                      # with a client key, the front)
     python3 deployctl-tables-*.pyz router keep /state/config.json     # started by launch, beside it
     python3 deployctl-tables-*.pyz router wait /state/config.json S   # `docker exec` by deployctl
 
@@ -28,6 +29,11 @@ Its client key is read from /state/api_key and handed to the router in this proc
 (`launch_router(parse_router_args(argv))`, sglang_router/launch_router.py), so it is in no container
 argument, environment variable or process title; the admin key (/state/admin_key, made by deployctl
 per install) is the keeper's only credential (`--control-plane-api-keys id:name:admin:KEY`).
+
+With a client key the router listens on 127.0.0.1:backend_port only, and the launcher's own front
+(hostside/router_front.py, a thread of this process) listens on the router's address and port:
+sglang-router 0.3.2 leaves /v1/models (and its other public routes) open whatever `--api-key` says;
+the front refuses every /v1/ path without the key, as vLLM does, and relays the rest.
 """
 from __future__ import annotations
 
@@ -50,11 +56,21 @@ PROBE_TIMEOUT_S = 3.0
 ADMIN_ID = "deployctl"
 
 
+def backend(cfg: dict, keyed: bool) -> tuple[str, int]:
+    """Where the router itself listens: with a client key (KEYED) on 127.0.0.1:backend_port, behind the
+    front (hostside/router_front.py) that holds the public address and port; else there itself."""
+    if keyed and cfg.get("backend_port"):
+        return "127.0.0.1", int(cfg["backend_port"])
+    return cfg["listen"], int(cfg["port"])
+
+
 def router_argv(cfg: dict, client_key: str | None, admin_key: str) -> list[str]:
     """The router's arguments (sglang_router/router_args.py RouterArgs.add_cli_args): IGW mode, one
     worker per model so round_robin (cache_aware would keep a prefix tree for nothing), the health
-    checks every 2 s and out after 2 failures (its defaults, 60 s x 3, keep a dead worker ~3 min)."""
-    argv = ["--host", cfg["listen"], "--port", str(cfg["port"]), "--enable-igw", "--policy", "round_robin",
+    checks every 2 s and out after 2 failures (its defaults, 60 s x 3, keep a dead worker ~3 min);
+    with a client key, on its backend address (`backend`), the front in front of it."""
+    host, port = backend(cfg, bool(client_key))
+    argv = ["--host", host, "--port", str(port), "--enable-igw", "--policy", "round_robin",
             "--control-plane-api-keys", f"{ADMIN_ID}:{ADMIN_ID}:admin:{admin_key}",
             "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
             "--health-success-threshold", "1", "--health-check-endpoint", "/health",
@@ -120,16 +136,17 @@ def _http(method: str, url: str, key: str | None, body: dict | None = None,
         return 0, b""
 
 
-def _router_url(cfg: dict) -> str:
-    a = "127.0.0.1" if cfg["listen"] in ("0.0.0.0", "::") else cfg["listen"]
-    return f"http://{'[' + a + ']' if ':' in a else a}:{cfg['port']}"
+def _router_url(cfg: dict, keyed: bool = False) -> str:
+    a, port = backend(cfg, keyed)
+    a = "127.0.0.1" if a in ("0.0.0.0", "::") else a
+    return f"http://{'[' + a + ']' if ':' in a else a}:{port}"
 
 
 def tick(cfg: dict, state: str, admin: str, posted: dict[str, str]) -> dict:
     """One round: the registry made to match, and what was seen (written to registry.json)."""
     want = desired(state)
     healthy = {w["url"]: _http("GET", w["url"] + "/health", w.get("api_key"))[0] == 200 for w in want}
-    base = _router_url(cfg)
+    base = _router_url(cfg, os.path.exists(os.path.join(state, "api_key")))
     code, raw = _http("GET", base + "/workers", admin)
     if code != 200:
         return {"at": time.time(), "router": f"GET /workers: {code or 'no answer'}", "digest": None}
@@ -273,10 +290,37 @@ def nodelay(pid: int, port: int, timeout_s: float = 120.0) -> str:
     return f"TCP_NODELAY not set: the router did not listen on {port} within {timeout_s:g}s"
 
 
+def front(cfg: dict, client: str) -> str:
+    """With a client key: the front (hostside/router_front.py) on the router's address and port, in a
+    thread of this process, relaying to the router's backend address; the process ends (and Docker
+    restarts the container) if it stops. What happened."""
+    import threading
+    from .router_front import serve_forever
+    started = threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve_forever(cfg["listen"], int(cfg["port"]), backend(cfg, True), client,
+                          ready=lambda _server: started.set())
+        except BaseException as e:  # noqa: BLE001 - said, then the container ends
+            failed.append(e)
+            started.set()
+        print(f"router front: stopped: {failed[0] if failed else 'its loop ended'}", file=sys.stderr, flush=True)
+        os._exit(1)
+    threading.Thread(target=run, name="router-front", daemon=True).start()
+    started.wait()
+    if failed:
+        return f"the key check in front of the router did not start: {failed[0]}"
+    return (f"the clients' key is checked on every /v1/ path (/v1/models included) at {cfg['listen']}:{cfg['port']}; "
+            f"the router listens on 127.0.0.1:{cfg['backend_port']}")
+
+
 def launch(cfg_path: str) -> int:
     """The container's first process: the keeper, then the router in a child process (it holds the
-    GIL in its own process for good), TCP_NODELAY on its listening socket, then wait for it,
-    passing on docker's SIGTERM (a graceful stop: in-flight streams finish)."""
+    GIL in its own process for good), the front (with a client key), TCP_NODELAY on the router's
+    listening socket, then wait for it, passing on docker's SIGTERM (a graceful stop: in-flight
+    streams finish)."""
     cfg, state = _load(cfg_path)
     client = _read(os.path.join(state, "api_key"))
     admin = _read(os.path.join(state, "admin_key"))
@@ -291,7 +335,10 @@ def launch(cfg_path: str) -> int:
         os._exit(0)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: os.kill(pid, s))
-    print(f"router keeper: {nodelay(pid, int(cfg['port']))}", file=sys.stderr, flush=True)
+    keyed = bool(client) and bool(cfg.get("backend_port"))
+    if keyed:
+        print(f"router front: {front(cfg, client)}", file=sys.stderr, flush=True)
+    print(f"router keeper: {nodelay(pid, backend(cfg, keyed)[1])}", file=sys.stderr, flush=True)
     while True:
         try:
             got, status = os.waitpid(pid, 0)

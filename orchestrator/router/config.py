@@ -10,6 +10,8 @@ KEYS = {
     "port": "its OpenAI API port (default 30000)",
     "listen": "the address it listens on (default: the host's management address; 0.0.0.0 for every interface)",
     "metrics_port": "its Prometheus /metrics port, on the same address (default 29000)",
+    "backend_port": "with a client key, the port the router itself listens on at 127.0.0.1, behind deployctl's "
+                    "key check on its address and port (default: port + 1)",
     "api_key_file": "file on the controller holding the key clients send to the router (relative: to this "
                     "inventory); required when a deployment has a key",
     "api_key_env": "or: the environment variable holding it",
@@ -27,6 +29,7 @@ class RouterConf:
     port: int = 30000
     listen: str | None = None           # None: the host's management address
     metrics_port: int = 29000
+    backend_port: int | None = None     # None: port + 1 (the router behind the key check: 127.0.0.1)
     api_key_file: str | None = None
     api_key_env: str | None = None
     image: str = DEFAULT_IMAGE
@@ -35,6 +38,11 @@ class RouterConf:
     @property
     def address(self) -> str:
         return self.listen or self.host.address
+
+    @property
+    def backend(self) -> int:
+        """The router's own port on 127.0.0.1 when its clients need a key (hostside/router_front.py)."""
+        return self.backend_port or self.port + 1
 
     @property
     def url(self) -> str:
@@ -57,7 +65,7 @@ def parse(raw: Any, default_host: str, host_of: Callable[[str], Any], err: Calla
     name = str(raw.get("host", default_host))
     host = host_of(name)
     out: dict[str, Any] = {"host": host}
-    for k in ("port", "metrics_port"):
+    for k in ("port", "metrics_port", "backend_port"):
         if k in raw:
             v = raw[k]
             if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 65536:
@@ -65,6 +73,10 @@ def parse(raw: Any, default_host: str, host_of: Callable[[str], Any], err: Calla
             out[k] = v
     if out.get("port", 30000) == out.get("metrics_port", 29000):
         raise err("the API and metrics ports must differ", f"{key}.metrics_port")
+    backend = out.get("backend_port", out.get("port", 30000) + 1)
+    if backend in (out.get("port", 30000), out.get("metrics_port", 29000)):
+        raise err(f"the router's backend port {backend} must differ from its API and metrics ports",
+                  f"{key}.backend_port")
     if "listen" in raw:
         if not isinstance(raw["listen"], str) or not raw["listen"].strip():
             raise err(f"expected an address, got {raw['listen']!r}", f"{key}.listen")

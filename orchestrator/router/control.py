@@ -238,7 +238,8 @@ def verify(dep: "Deployment", sh: "HostShell") -> str:
     conf = dep.cluster.router
     assert conf is not None
     model = layout.worker(dep)["model"]
-    doc = read(conf, sh)
+    key = client_key(conf, str(dep.cluster.file))
+    doc = read(conf, sh, key.value if key else None)
     c, h = doc["container"], doc["health"]
     if not c or c["state"] != "running":
         raise HostFailure(f"the router's container {layout.CONTAINER} on {conf.host.name} is "
@@ -255,8 +256,9 @@ def verify(dep: "Deployment", sh: "HostShell") -> str:
     return f"router at {conf.url} healthy, routes model {model} (release {(doc.get('release') or {}).get('n', '-')})"
 
 
-def read(conf: "RouterConf", sh: "HostShell") -> dict[str, Any]:
-    """The router's container, registry (the keeper's last round) and last release, for status."""
+def read(conf: "RouterConf", sh: "HostShell", key: str | None = None) -> dict[str, Any]:
+    """The router's container, registry (the keeper's last round) and last release, for status; KEY:
+    the clients' key (its /v1/models needs it)."""
     found = _container(sh)
     r = sh.run(["sh", "-c", READ_SH, "sh", layout.state_dir(conf)], timeout=TIMEOUT_S)
     registry, releases, workers = None, None, []
@@ -267,15 +269,16 @@ def read(conf: "RouterConf", sh: "HostShell") -> dict[str, Any]:
     return {"host": conf.host.name, "url": conf.url,
             "container": {"id": found[0][:12], "state": found[1], "install": found[2]} if found else None,
             "registry": registry, "release": (releases or [None])[-1], "deployments": workers,
-            "health": probe(conf.url)}
+            "health": probe(conf.url, key)}
 
 
-def probe(url: str, timeout: float = 5.0) -> dict[str, Any]:
-    """The router's /health and /v1/models (both open: sglang-router checks the key on the rest)."""
+def probe(url: str, key: str | None = None, timeout: float = 5.0) -> dict[str, Any]:
+    """The router's /health (open) and /v1/models with the clients' KEY (with a key, every /v1/ path
+    needs it: hostside/router_front.py checks it where sglang-router 0.3.2 does not)."""
     out: dict[str, Any] = {}
     for path in ("/health", "/v1/models"):
         try:
-            out[path], body = httpcall.call(url + path, timeout=timeout)
+            out[path], body = httpcall.call(url + path, key if path != "/health" else None, timeout=timeout)
             if path == "/v1/models" and out[path] == 200:
                 out["models"] = [m.get("id") for m in json.loads(body).get("data") or []]
         except (OSError, ValueError) as e:

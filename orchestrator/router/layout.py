@@ -27,6 +27,7 @@ CONTAINER = "deployctl-router"
 LABEL = "deployctl.router"                 # value: the inventory file's stem (who installed it)
 INSTALL_LABEL = "deployctl.router.install"
 KEEPER = PurePosixPath(__file__).parent.parent / "hostside" / "router_keeper.py"
+FRONT = KEEPER.with_name("router_front.py")
 
 
 def state_dir(conf: "RouterConf") -> str:
@@ -34,15 +35,18 @@ def state_dir(conf: "RouterConf") -> str:
 
 
 def config(conf: "RouterConf") -> dict[str, Any]:
+    """config.json (hostside/router_keeper.py reads it): with a client key the router listens on
+    127.0.0.1:backend_port behind the key check (hostside/router_front.py) on listen:port."""
     return {"listen": conf.address, "port": conf.port, "metrics_port": conf.metrics_port,
-            "interval_s": conf.check_interval_s}
+            "backend_port": conf.backend, "interval_s": conf.check_interval_s}
 
 
 def install_id(conf: "RouterConf", image_id: str, client_key_id: str | None) -> str:
     """What the running router must match: its config, image, client key and keeper code. A deployment's
     up or down changes none of them (only its workers file), so it never restarts the router."""
     material = json.dumps({"config": config(conf), "image": image_id, "key": client_key_id,
-                           "keeper": hashlib.sha256(open(KEEPER, "rb").read()).hexdigest()}, sort_keys=True)
+                           "keeper": hashlib.sha256(open(KEEPER, "rb").read() + open(FRONT, "rb").read()).hexdigest()},
+                          sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()[:12]
 
 
