@@ -86,12 +86,93 @@ CLUSTER_KEYS = {
                    "--deployment NAME (docs/deployments.md)",
     "router": "one OpenAI endpoint in front of every deployment, routed by the request's model: {host, port, "
               "api_key_file, ...} (docs/router.md)",
+    "replicas": "how many copies of the deployment serve its model (default 1): its hosts split, in order, into "
+                "that many groups of the recipe's node count, each its own deployment NAME.r1, NAME.r2 ... behind "
+                "the router under the one model name; `up` changes them one at a time (docs/deployments.md)",
+    "groups": "or, with replicas: the groups explicitly, [[h1, h2], [h3, h4]] (each group's first host is its head)",
 }
 # What one entry of all.vars.deployments may set: its hosts, and the cluster variables that belong to
 # one deployment (the rest: SSH, the fabric, the run records, are the cluster's).
 DEPLOYMENT_KEYS = ("hosts", "recipe", "head", "api_port", "api_listen", "api_allow", "metrics_allow",
                    "recipe_overrides", "supervise", "distribution", "model_fetch", "api_key_file",
-                   "api_key_env")
+                   "api_key_env", "replicas", "groups")
+REPLICA = "__replica"        # the (set, index, count) an expanded replica entry carries (expand_replicas)
+
+
+def replica_name(base: str, i: int) -> str:
+    """The deployment name of replica I (1-based) of BASE: its containers, run records and releases."""
+    return f"{base}.r{i}"
+
+
+def split_groups(hosts: list[str], replicas: int) -> list[list[str]]:
+    """HOSTS (in order) into REPLICAS groups of equal size, in order (pure). ValueError when they do not divide."""
+    if replicas < 1 or len(hosts) % replicas:
+        raise ValueError(f"{len(hosts)} host(s) do not split into {replicas} groups of one size")
+    n = len(hosts) // replicas
+    return [hosts[i * n:(i + 1) * n] for i in range(replicas)]
+
+
+def expand_replicas(deps: dict, err) -> dict:
+    """all.vars.deployments with `replicas`/`groups` -> the same mapping where each replicated deployment NAME
+    is replaced, in place, by NAME.r1 .. NAME.rN, each an ordinary deployment on its group's hosts (its first
+    host the head) carrying REPLICA = (NAME, i, N). Replicas: 1 without groups is the deployment unchanged. Pure."""
+    out: dict = {}
+    for name, d in deps.items():
+        dkey = f"all.vars.deployments.{name}"
+        if not isinstance(d, dict) or ("replicas" not in d and "groups" not in d):
+            out[name] = d
+            continue
+        n, groups = d.get("replicas"), d.get("groups")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise err(f"expected a count of copies (1, 2, ...), got {n!r}", f"{dkey}.replicas")
+        hosts = d.get("hosts")
+        if groups is not None:
+            if (not isinstance(groups, list) or not groups or not all(
+                    isinstance(g, list) and g and all(isinstance(h, str) for h in g) for g in groups)):
+                raise err("expected a list of host lists, [[h1, h2], [h3, h4]]", f"{dkey}.groups")
+            if n is not None and n != len(groups):
+                raise err(f"replicas {n} but {len(groups)} groups", f"{dkey}.replicas")
+            flat = [h for g in groups for h in g]
+            if len(set(flat)) != len(flat):
+                raise err("a host is in two groups: each replica has hosts of its own", f"{dkey}.groups")
+            if hosts is not None and (not isinstance(hosts, list) or sorted(map(str, hosts)) != sorted(flat)):
+                raise err("the groups must hold exactly the deployment's hosts (or leave hosts out)", f"{dkey}.groups")
+            if len({len(g) for g in groups}) > 1:
+                raise err("every group needs the recipe's node count: the groups differ in size", f"{dkey}.groups")
+            n = len(groups)
+        else:
+            if not isinstance(hosts, list) or not hosts:
+                raise err("expected a list of this inventory's host names, in rank order", f"{dkey}.hosts")
+            try:
+                groups = split_groups([str(h) for h in hosts], n)
+            except ValueError as e:
+                raise err(f"{e}: give a multiple of {n} hosts, or the groups explicitly", f"{dkey}.replicas") from None
+        if n == 1:
+            out[name] = {k: v for k, v in d.items() if k not in ("replicas", "groups")} | {"hosts": groups[0]}
+            continue
+        if "head" in d:
+            raise err("with replicas each group's head is its first host: remove head (or order the groups)",
+                      f"{dkey}.head")
+        for i, g in enumerate(groups, 1):
+            rn = replica_name(str(name), i)
+            if rn in deps:
+                raise err(f"replica {rn} of {name} has the name of another deployment", dkey)
+            out[rn] = {**{k: v for k, v in d.items() if k not in ("replicas", "groups", "hosts")},
+                       "hosts": list(g), REPLICA: (str(name), i, n)}
+    return out
+
+
+def _single_as_deployments(cvars: dict, hosts_raw: dict, stem: str) -> tuple[dict, dict]:
+    """A single-deployment inventory with all.vars.replicas/groups, as the all.vars.deployments form
+    (its hosts in rank order, their ranks dropped): each replica then is an ordinary deployment."""
+    name = str(cvars.get("deployment") or stem)
+    order = sorted(hosts_raw, key=lambda h: (hosts_raw[h][0].get("rank", 0) if isinstance(
+        hosts_raw[h][0].get("rank", 0), int) else 0))
+    entry = {k: cvars[k] for k in ("recipe", "api_port", "replicas", "groups") if k in cvars}
+    entry["hosts"] = order
+    out = {k: v for k, v in cvars.items() if k not in ("deployment", "head", "recipe", "api_port", "replicas", "groups")}
+    out["deployments"] = {name: entry}
+    return out, {h: ({k: v for k, v in hv.items() if k != "rank"}, key) for h, (hv, key) in hosts_raw.items()}
 
 
 class InventoryRef(str):
@@ -181,6 +262,19 @@ class Cluster:
     distribution: str = "direct"         # direct | chain (orchestrator/chain/); load_inventory picks the default
     deployments: tuple[str, ...] = ()    # every deployment of the inventory, in its order (all.vars.deployments)
     router: "RouterConf | None" = None   # all.vars.router (orchestrator/router/)
+    replica: tuple[str, int, int] | None = None   # (the replicated deployment, this one's index 1.., count)
+
+    @property
+    def replica_set(self) -> str:
+        """The deployment this one is a replica of (its own name when it is not one)."""
+        return self.replica[0] if self.replica else self.name
+
+    @property
+    def siblings(self) -> tuple[str, ...]:
+        """The other replicas of its set (none when it is not a replica)."""
+        if not self.replica:
+            return ()
+        return tuple(replica_name(self.replica[0], i) for i in range(1, self.replica[2] + 1) if i != self.replica[1])
 
     @property
     def head_host(self) -> Host:
@@ -221,18 +315,28 @@ def _one_deployment(cvars: dict, hosts_raw: dict, name: str | None, err) -> tupl
     key = "all.vars.deployments"
     if not isinstance(deps, dict) or not deps:
         raise err("expected a mapping of deployment name: {hosts: [...], recipe: ...}", key)
+    raw_deps, deps = deps, expand_replicas(deps, err)
     for k in ("deployment", "head", "recipe", "api_port"):
         if k in cvars:
             raise err(f"{k} belongs to each deployment when all.vars.deployments is set: move it under "
                       f"{key}.<name>", f"all.vars.{k}")
     if name is None:
+        if len(deps) > 1 and len(raw_deps) == 1 and len(deps) > len(raw_deps):
+            raise err(f"deployment {next(iter(raw_deps))} runs as {len(deps)} replicas ({', '.join(map(str, deps))}): "
+                      f"pick one with --deployment NAME", key)
         if len(deps) > 1:
             raise err(f"this inventory holds {len(deps)} deployments ({', '.join(map(str, deps))}): pick one "
                       f"with --deployment NAME", key)
         name = str(next(iter(deps)))
     if name not in deps:
+        if name in raw_deps:
+            reps = [n for n in deps if isinstance(deps[n], dict) and deps[n].get(REPLICA, ("",))[0] == name]
+            raise err(f"deployment {name!r} runs as {len(reps)} replicas ({', '.join(reps)}): `up -d {name}` changes "
+                      f"them one at a time, `status`/`plan -d {name}` show each; other commands take one, "
+                      f"-d {reps[0]}", key)
         raise err(f"no deployment {name!r} here (deployments: {', '.join(map(str, deps))})", key)
-    d = deps[name]
+    d = dict(deps[name])
+    replica = d.pop(REPLICA, None)
     dkey = f"{key}.{name}"
     if not isinstance(d, dict):
         raise err("expected a mapping (hosts, recipe, head, api_port, ...)", dkey)
@@ -257,6 +361,8 @@ def _one_deployment(cvars: dict, hosts_raw: dict, name: str | None, err) -> tupl
     out = {k: v for k, v in cvars.items() if k != "deployments"}
     out.update({k: v for k, v in d.items() if k != "hosts"})
     out["deployment"], out["head"] = name, head
+    if replica:
+        out[REPLICA] = replica
     return out, {h: ({**hosts_raw[h][0], "rank": i}, hosts_raw[h][1]) for i, h in enumerate(hosts)}
 
 
@@ -291,8 +397,24 @@ def deployment_names(path: str | Path | None = None) -> list[str]:
     cvars = ((raw.get("all") or {}).get("vars") or {}) if isinstance(raw.get("all"), dict) else {}
     deps = cvars.get("deployments") if isinstance(cvars, dict) else None
     if isinstance(deps, dict) and deps:
-        return [str(k) for k in deps]
+        def err(msg: str, key: str) -> InputError:
+            return InputError(msg, file=str(p), key=key, line=raw.lines.get(key))
+        return [str(k) for k in expand_replicas(deps, err)]
+    if isinstance(cvars, dict) and ("replicas" in cvars or "groups" in cvars):
+        n = len(cvars["groups"]) if isinstance(cvars.get("groups"), list) else cvars.get("replicas")
+        base = str(cvars.get("deployment") or p.stem)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            return [replica_name(base, i) for i in range(1, n + 1)]
+        return [base]
     return [load_inventory(p).name]
+
+
+def replica_names(path: "str | Path | None", base: str | None) -> list[str] | None:
+    """The replicas (NAME.r1 ...) of deployment BASE in the inventory, or None when BASE is not replicated."""
+    if not base:
+        return None
+    reps = [n for n in deployment_names(path) if n.startswith(base + ".r") and n[len(base) + 2:].isdigit()]
+    return reps or None
 
 
 def load_inventory(path: str | Path | None = None, deployment: str | None = None) -> Cluster:
@@ -321,11 +443,15 @@ def load_inventory(path: str | Path | None = None, deployment: str | None = None
     _collect(raw["all"] or {}, "all", {}, file, hosts_raw, group_vars)
     cvars = group_vars.get("all", {})
     deployments: tuple[str, ...] = ()
+    if ("replicas" in cvars or "groups" in cvars) and "deployments" not in cvars:
+        cvars, hosts_raw = _single_as_deployments(cvars, hosts_raw, p.stem)
     all_hosts_raw = hosts_raw
+    replica = None
     if "deployments" in cvars:
-        listed = cvars["deployments"]
         cvars, hosts_raw = _one_deployment(cvars, hosts_raw, deployment, err)    # checks it is a mapping
-        deployments = tuple(str(n) for n in listed)
+        replica = cvars.pop(REPLICA, None)
+        deployments = tuple(str(n) for n in expand_replicas(group_vars["all"]["deployments"], err)) \
+            if "deployments" in group_vars["all"] else tuple(deployment_names(p))
     elif deployment and deployment != str(cvars.get("deployment") or p.stem):
         raise err(f"--deployment {deployment}: this inventory describes one deployment, "
                   f"{cvars.get('deployment') or p.stem!r} (several go under all.vars.deployments)", "all.vars")
@@ -451,6 +577,7 @@ def load_inventory(path: str | Path | None = None, deployment: str | None = None
         supervise=supervise,
         distribution=distribution,
         deployments=deployments,
+        replica=replica,
     )
 
 

@@ -89,6 +89,8 @@ class Plan:
             "hosts": [{"name": h.name, "address": h.address, "rank": h.rank, "hardware": h.hardware,
                        "gpus": h.gpus, "nvme_dir": h.nvme_dir, "model_cache": h.model_cache}
                       for h in dep.cluster.hosts],
+            **({"replica": {"of": dep.cluster.replica[0], "index": dep.cluster.replica[1],
+                            "count": dep.cluster.replica[2]}} if dep.cluster.replica else {}),
             **self.extra,
             "stages": [s.to_json() for s in self.stages],
         }

@@ -12,7 +12,7 @@ from rich.console import Console
 from ..errors import DeployctlError
 from ..executors.ssh_pool import shared_connections
 from ..errors import InputError
-from ..inventory import InventoryRef, deployment_names
+from ..inventory import InventoryRef, deployment_names, replica_names
 from ..secrets import mask_data, mask_text
 
 
@@ -55,8 +55,11 @@ def recipe_options(f: Callable) -> Callable:
 def every_deployment(inventory: Any, **one_only: Any) -> list[str] | None:
     """The inventory's deployments when the command names none and it holds several (the command then
     acts on each), else None. ONE_ONLY: the options given that act on one deployment (name=value):
-    with several and no --deployment, any of them set is refused, naming them."""
-    if getattr(inventory, "deployment", None) or len(names := deployment_names(inventory)) < 2:
+    with several and no --deployment, any of them set is refused, naming them. --deployment NAME of a
+    deployment with replicas (inventory.py expand_replicas): its replicas, NAME.r1 ...."""
+    if (reps := replica_names(inventory, getattr(inventory, "deployment", None))) is not None:
+        names = reps
+    elif getattr(inventory, "deployment", None) or len(names := deployment_names(inventory)) < 2:
         return None
     given = [f"--{k.replace('_', '-')}" for k, v in one_only.items() if v]
     if given:

@@ -19,6 +19,10 @@ def print_plan(plan: Plan, verbose: int = 0, console: Console | None = None) -> 
     listen = doc.get("api_listen") or {}
     c.print(f"head {doc['head']}, API {doc['api']} (listening on {listen.get('address')}: "
             f"{listen.get('scope')}), {len(doc['hosts'])} host(s)")
+    if rep := doc.get("replica"):
+        c.print(f"replica {rep['index']} of {rep['count']} of {escape(rep['of'])}: group "
+                f"{', '.join(h['name'] for h in doc['hosts'])} (its own head, ranks, tables and supervisor; "
+                f"behind the router under the model's one name)")
     for key in plan.extra:
         extra = doc.get(key)
         text = extra.get("text") if isinstance(extra, dict) else None

@@ -1,0 +1,96 @@
+"""Replicas (#58): one deployment as N groups behind the router, changed one at a time (pure parts):
+group splitting, each replica an ordinary deployment (its own head, ranks, ports, sizing, colocation),
+the plan shows each group, the rolling order and the drain's reading of the engine's /metrics."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.deployment import load_deployment
+from orchestrator.errors import InputError
+from orchestrator.inventory import InventoryRef, deployment_names, load_inventory, replica_names, split_groups
+
+from tests.test_deployments_units import TP2, _hosts, _write
+
+
+def test_hosts_split_into_groups_in_order():
+    assert split_groups(["a", "b", "c", "d"], 2) == [["a", "b"], ["c", "d"]]
+    assert split_groups(["a", "b", "c", "d"], 4) == [["a"], ["b"], ["c"], ["d"]]
+    with pytest.raises(ValueError):
+        split_groups(["a", "b", "c"], 2)
+
+
+def test_replicas_are_ordinary_deployments_named_by_index(tmp_path):
+    inv = _write(tmp_path, {"llm": {"hosts": ["node1", "node2", "node3", "node4"], "replicas": 2,
+                                    "recipe": "vllm-cpu", "api_port": 18010, "recipe_overrides": TP2}})
+    assert deployment_names(inv) == ["llm.r1", "llm.r2"]
+    assert replica_names(inv, "llm") == ["llm.r1", "llm.r2"] and replica_names(inv, "llm.r1") is None
+    r1, r2 = load_inventory(inv, "llm.r1"), load_inventory(inv, "llm.r2")
+    assert [(h.name, h.rank) for h in r1.hosts] == [("node1", 0), ("node2", 1)] and r1.head == "node1"
+    assert [(h.name, h.rank) for h in r2.hosts] == [("node3", 0), ("node4", 1)] and r2.head == "node3"
+    assert r1.replica == ("llm", 1, 2) and r2.siblings == ("llm.r1",) and r2.replica_set == "llm"
+    d1, d2 = load_deployment(InventoryRef.of(inv, "llm.r1")), load_deployment(InventoryRef.of(inv, "llm.r2"))
+    assert d1.recipe.engine.served_name == d2.recipe.engine.served_name      # one model behind the router
+    assert d1.recipe.parallelism.tensor_parallel == 2 and d1.api_url != d2.api_url
+
+
+def test_explicit_groups_and_the_single_deployment_form(tmp_path):
+    inv = _write(tmp_path, {"llm": {"groups": [["node4"], ["node2"]], "recipe": "vllm-cpu", "api_port": 18010},
+                            "other": {"hosts": ["node1"], "recipe": "vllm-cpu", "api_port": 18011}})
+    assert deployment_names(inv) == ["llm.r1", "llm.r2", "other"]
+    assert load_inventory(inv, "llm.r1").head == "node4" and load_inventory(inv, "llm.r2").head == "node2"
+    assert load_inventory(inv, "other").peers == ("llm.r1", "llm.r2")
+    hosts = {n: {**h, "rank": i} for i, (n, h) in enumerate(_hosts(2).items())}
+    p = tmp_path / "single.yml"
+    p.write_text(yaml.safe_dump({"all": {"vars": {"deployment": "one", "head": "node1", "recipe": "vllm-cpu",
+                                                  "replicas": 2}, "hosts": hosts}}))
+    assert deployment_names(p) == ["one.r1", "one.r2"]
+    c = load_inventory(InventoryRef.of(p, "one.r2"))
+    assert c.name == "one.r2" and c.head == "node2" and [h.rank for h in c.hosts] == [0]
+    assert load_deployment(InventoryRef.of(p, "one.r1")).name == "one.r1"
+
+
+def test_one_replica_is_the_deployment_unchanged(tmp_path):
+    inv = _write(tmp_path, {"llm": {"hosts": ["node1"], "replicas": 1, "recipe": "vllm-cpu", "api_port": 18010}})
+    assert deployment_names(inv) == ["llm"] and load_inventory(inv, "llm").replica is None
+
+
+@pytest.mark.parametrize("entry,key,words", [
+    ({"hosts": ["node1", "node2", "node3"], "replicas": 2}, "replicas", "do not split"),
+    ({"hosts": ["node1", "node2"], "replicas": 0}, "replicas", "count of copies"),
+    ({"groups": [["node1"], ["node1"]]}, "groups", "two groups"),
+    ({"groups": [["node1", "node2"], ["node3"]]}, "groups", "differ in size"),
+    ({"hosts": ["node1", "node2"], "replicas": 2, "head": "node2"}, "head", "first host"),
+    ({"hosts": ["node1", "node2"], "groups": [["node1"], ["node3"]]}, "groups", "exactly"),
+])
+def test_bad_replicas_name_their_key(tmp_path, entry, key, words):
+    inv = _write(tmp_path, {"llm": {"recipe": "vllm-cpu", **entry}})
+    with pytest.raises(InputError) as e:
+        load_inventory(inv, "llm.r1")
+    assert e.value.key == f"all.vars.deployments.llm.{key}" and words in str(e.value), str(e.value)
+
+
+def test_the_set_name_points_at_its_replicas_and_sizing_checks_each_group(tmp_path):
+    inv = _write(tmp_path, {"llm": {"hosts": ["node1", "node2"], "replicas": 2, "recipe": "vllm-cpu",
+                                    "api_port": 18010}})
+    with pytest.raises(InputError, match=r"runs as 2 replicas \(llm.r1, llm.r2\)"):
+        load_inventory(inv, "llm")
+    # a group of one host for a TP=2 recipe: the recipe's node count is checked per group
+    with pytest.raises(InputError, match="needs 2 node"):
+        load_deployment(InventoryRef.of(inv, "llm.r1"), sets=("parallelism.tensor_parallel=2", "parallelism.nodes=2"))
+
+
+def test_the_plan_shows_each_group(tmp_path):
+    import subprocess
+    import sys
+    from orchestrator.stages import build_plan
+    inv = _write(tmp_path, {"llm": {"hosts": ["node1", "node2"], "replicas": 2, "recipe": "vllm-cpu",
+                                    "api_port": 18010}})
+    doc = build_plan(load_deployment(InventoryRef.of(inv, "llm.r2"))).to_json()
+    assert doc["replica"] == {"of": "llm", "index": 2, "count": 2} and [h["name"] for h in doc["hosts"]] == ["node2"]
+    p = subprocess.run([sys.executable, "-m", "orchestrator", "plan", "-i", str(inv), "-d", "llm"],
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 0, p.stderr
+    assert "replica 1 of 2 of llm: group node1" in p.stdout and "replica 2 of 2 of llm: group node2" in p.stdout
