@@ -27,6 +27,7 @@ import pytest
 from orchestrator.deployment import load_deployment
 from orchestrator.hostside import httpcall
 from orchestrator.inventory import InventoryRef
+from tests.test_router_cluster import until
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[1]
@@ -77,17 +78,6 @@ def call(url: str, path: str, key: str | None, body: dict | None = None, timeout
         return httpcall.call(url + path, key, body, timeout)
     except OSError as e:
         return 0, str(e).encode()
-
-
-def until(fn, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = fn()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(1)
 
 
 @pytest.fixture(scope="module")

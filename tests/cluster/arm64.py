@@ -96,7 +96,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from .images import CACHE_DIR, HUB_CLIENT, HUB_LABEL, LOCAL_ENGINE, _rmtree_no_mounts, image_present
+from .images import CACHE_DIR, HUB_CLIENT, HUB_LABEL, LOCAL_ENGINE, _rmtree_no_mounts, busybox_root, image_present
 
 NATIVE = platform.machine()          # this machine's (x86_64)
 AARCH64 = "aarch64"
@@ -567,17 +567,7 @@ def build_busybox(engine: str = LOCAL_ENGINE) -> None:
         if not applets:
             raise EmulationError(f"the arm64 busybox does not run here ({busybox} --list printed nothing)")
         root = t / "root"
-        for d in ("bin", "etc", "tmp", "proc", "sys", "dev", "root", "var", "usr"):
-            (root / d).mkdir(parents=True)
-        os.chmod(root / "tmp", 0o1777)
-        shutil.copy2(busybox, root / "bin" / "busybox")
-        for applet in applets:
-            if applet != "busybox":
-                (root / "bin" / applet).symlink_to("busybox")
-        (root / "usr" / "bin").symlink_to("../bin")
-        (root / "sbin").symlink_to("bin")
-        (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
-        (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+        busybox_root(root, busybox, applets)
         _tar_dir(root, t / "layer.tar")
         load_layers(BUSYBOX_IMAGE, [t / "layer.tar"], engine, cmd=["/bin/sh"],
                     history=[f"busybox-static {_deb_field(deb, 'Version')} arm64 (tests/cluster/arm64.py)"])

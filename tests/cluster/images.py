@@ -94,22 +94,27 @@ def _import_tar(tar_cmd: list[str], image: str, changes: list[str], engine: str)
                            f"{imp.stderr.strip()[-2000:]}")
 
 
+def busybox_root(root: Path, busybox: Path, applets: list[str]) -> None:
+    """A minimal root filesystem in ROOT: BUSYBOX (of whatever architecture) and a link per applet."""
+    for d in ("bin", "etc", "tmp", "proc", "sys", "dev", "root", "var", "usr"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    os.chmod(root / "tmp", 0o1777)
+    shutil.copy2(busybox, root / "bin" / "busybox")
+    for applet in applets:
+        if applet != "busybox":
+            (root / "bin" / applet).symlink_to("busybox")
+    (root / "usr" / "bin").symlink_to("../bin")
+    (root / "sbin").symlink_to("bin")
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
+    (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+
+
 def build_busybox(engine: str = LOCAL_ENGINE) -> None:
     busybox = shutil.which("busybox") or "/bin/busybox"
     applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split()
     with tempfile.TemporaryDirectory(prefix="dctl-busybox-") as tmp:
         root = Path(tmp)
-        for d in ("bin", "etc", "tmp", "proc", "sys", "dev", "root", "var", "usr"):
-            (root / d).mkdir()
-        os.chmod(root / "tmp", 0o1777)
-        shutil.copy2(busybox, root / "bin" / "busybox")
-        for applet in applets:
-            if applet != "busybox":
-                (root / "bin" / applet).symlink_to("busybox")
-        (root / "usr" / "bin").symlink_to("../bin")
-        (root / "sbin").symlink_to("bin")
-        (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
-        (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+        busybox_root(root, Path(busybox), applets)
         _import_tar(["tar", "-C", str(root), "--numeric-owner", "-c", "."], BUSYBOX_IMAGE,
                     ['CMD ["/bin/sh"]'], engine)
 
