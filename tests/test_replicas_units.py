@@ -94,3 +94,72 @@ def test_the_plan_shows_each_group(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert p.returncode == 0, p.stderr
     assert "replica 1 of 2 of llm: group node1" in p.stdout and "replica 2 of 2 of llm: group node2" in p.stdout
+
+
+# -- the router: every replica one worker of the model, cache_aware for it (docs/router.md) -------------
+
+def test_each_replica_is_a_worker_of_the_one_model_with_its_policy(tmp_path):
+    from orchestrator.hostside import router_keeper as rk
+    from orchestrator.router import layout
+    inv = _write(tmp_path, {"llm": {"hosts": ["node1", "node2"], "replicas": 2, "recipe": "vllm-cpu",
+                                    "api_port": 18010}, "solo": {"hosts": ["node3"], "recipe": "vllm-cpu",
+                                                                 "api_port": 18011}},
+                 router={"host": "node3", "port": 18030})
+    w1, w2 = (layout.worker(load_deployment(InventoryRef.of(inv, n))) for n in ("llm.r1", "llm.r2"))
+    solo = layout.worker(load_deployment(InventoryRef.of(inv, "solo")))
+    assert w1["model"] == w2["model"] and w1["url"] != w2["url"]
+    assert w1["policy"] == "cache_aware" and w1["replica_of"] == "llm" and "policy" not in solo
+    assert rk.registration(w1) == {"url": w1["url"], "model_id": w1["model"], "labels": {"policy": "cache_aware"}}
+    assert rk.registration(solo) == {"url": solo["url"], "model_id": solo["model"]}
+    # both registered while healthy; one unhealthy (its supervisor restarting it): deleted, back when healthy
+    reg = [{"id": "1", "url": w1["url"], "model_id": w1["model"]}, {"id": "2", "url": w2["url"], "model_id": w2["model"]}]
+    posted = {w1["url"]: rk.fingerprint(w1), w2["url"]: rk.fingerprint(w2)}
+    assert rk.changes([w1, w2], {w1["url"]: True, w2["url"]: True}, reg, posted) == ([], [])
+    assert rk.changes([w1, w2], {w1["url"]: True, w2["url"]: False}, reg, posted) == (["2"], [])
+    assert rk.changes([w1, w2], {w1["url"]: True, w2["url"]: True}, reg[:1], posted) == ([], [w2])
+    assert rk.fingerprint(w1) != rk.fingerprint({k: v for k, v in w1.items() if k != "policy"})
+
+
+# -- the roll: order, the drain's reading of the engine's own gauge ------------------------------------
+
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny-llama"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 1.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny-llama"} 5.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny-llama"} 7.0
+"""
+
+
+def test_in_flight_and_served_come_from_the_engines_own_metrics():
+    from orchestrator.rolling import requests_in_flight, requests_served
+    assert requests_in_flight(VLLM_METRICS) == 4.0 and requests_served(VLLM_METRICS) == 12.0
+    assert requests_in_flight("sglang:num_running_reqs{x=\"1\"} 2\nsglang:num_queue_reqs 0\n") == 2.0
+    assert requests_in_flight("# nothing here\nother 3\n") is None and requests_served("") is None
+
+
+def test_the_drain_waits_for_zero_within_its_bound():
+    from orchestrator.rolling import drain
+    t = [0.0]
+    readings = iter([3, 2, 0])
+    ok, what = drain(lambda: next(readings), bound_s=10, poll_s=1, clock=lambda: t[0],
+                     sleep=lambda s: t.__setitem__(0, t[0] + s))
+    assert ok and "drained in 2.0s (3 request(s) in flight at first)" == what
+    t[0] = 0.0
+    ok, what = drain(lambda: 1, bound_s=5, poll_s=1, clock=lambda: t[0], sleep=lambda s: t.__setitem__(0, t[0] + s))
+    assert not ok and "still in flight after 5s" in what
+    assert drain(lambda: None) == (True, "no in-flight gauge could be read: not waited")
+    assert drain(lambda: 0) == (True, "nothing in flight")
+
+
+def test_the_roll_goes_by_index_and_up_rolls_a_replicated_deployment(tmp_path):
+    from orchestrator.cli.roll_flow import replicas_to_roll
+    from orchestrator.rolling import roll_order
+    assert roll_order(["m.r10", "m.r2", "m.r1"]) == ["m.r1", "m.r2", "m.r10"]
+    inv = _write(tmp_path, {"llm": {"hosts": ["node1", "node2"], "replicas": 2, "recipe": "vllm-cpu",
+                                    "api_port": 18010}})
+    assert replicas_to_roll(InventoryRef.of(inv, "llm")) == ("llm", ["llm.r1", "llm.r2"])
+    assert replicas_to_roll(InventoryRef.of(inv, None)) == ("llm", ["llm.r1", "llm.r2"])
+    assert replicas_to_roll(InventoryRef.of(inv, "llm.r2")) is None          # one replica's own up
+    two = _write(tmp_path, {"a": {"hosts": ["node1"], "recipe": "vllm-cpu"}, "b": {"hosts": ["node2"], "recipe": "vllm-cpu"}})
+    assert replicas_to_roll(InventoryRef.of(two, None)) is None

@@ -1,6 +1,8 @@
 """deployctl up: the whole pipeline."""
 from __future__ import annotations
 
+import sys
+
 import click
 
 from ..deployment import load_deployment
@@ -36,7 +38,24 @@ def up_command(inventory, recipe, sets, as_json, verbose, quiet, dry_run, only, 
 
     A healthy run with a new image or spec is recorded as a release (`deployctl history`); with
     --rollback-on-failure a failed one brings the current release back (`deployctl rollback`).
+
+    A deployment with replicas (`-d NAME`, or the inventory's only deployment): each replica's `up` in
+    turn, one at a time, a replica being replaced out of the router and drained first; the first that
+    fails stops the roll (its previous release back, the others untouched) and exits 1 naming it.
     """
+    from .roll_flow import replicas_to_roll, roll
+    if (rolling := replicas_to_roll(inventory)) is not None:
+        base, names = rolling
+        if dry_run:
+            for n in names:
+                from ..inventory import InventoryRef
+                dep = load_deployment(InventoryRef.of(inventory, n), recipe, tuple(sets))
+                plan = build_plan(dep, tuple(only), tuple(skip))
+                emit_json(plan.to_json()) if as_json else print_plan(plan, verbose=verbose)
+            return
+        sys.exit(roll(inventory, base, names, recipe=recipe, sets=tuple(sets), only=tuple(only),
+                      skip=tuple(skip), as_json=as_json, verbose=verbose, quiet=quiet,
+                      options=RunOptions(keep_on_failure=keep_on_failure, ci=ci)))
     if dry_run:
         dep = load_deployment(inventory, recipe, tuple(sets))
         plan = build_plan(dep, tuple(only), tuple(skip))

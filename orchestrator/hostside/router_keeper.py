@@ -82,8 +82,17 @@ def router_argv(cfg: dict, client_key: str | None, admin_key: str) -> list[str]:
 
 
 def fingerprint(w: dict) -> str:
-    """What a registration carries: a changed model name or engine key is registered again."""
-    return hashlib.sha256(f"{w['model']}\0{w['url']}\0{w.get('api_key') or ''}".encode()).hexdigest()[:16]
+    """What a registration carries: a changed model name, engine key or policy is registered again."""
+    pol = f"\0{w['policy']}" if w.get("policy") else ""
+    return hashlib.sha256(f"{w['model']}\0{w['url']}\0{w.get('api_key') or ''}{pol}".encode()).hexdigest()[:16]
+
+
+def registration(w: dict) -> dict:
+    """The body of `POST /workers` for entry W. A replica's entry names its model's policy (cache_aware:
+    docs/router.md, bench/replica_policy.py), which sglang-router 0.3.2 takes per model from the worker's
+    labels in IGW mode; the router-wide --policy (round_robin) stays for the models served once."""
+    return {"url": w["url"], "model_id": w["model"], **({"api_key": w["api_key"]} if w.get("api_key") else {}),
+            **({"labels": {"policy": w["policy"]}} if w.get("policy") else {})}
 
 
 def changes(want: list[dict], healthy: dict[str, bool], registered: list[dict],
@@ -155,8 +164,7 @@ def tick(cfg: dict, state: str, admin: str, posted: dict[str, str]) -> dict:
     for wid in dels:
         _http("DELETE", f"{base}/workers/{wid}", admin)
     for w in posts:
-        c, _ = _http("POST", base + "/workers", admin, {"url": w["url"], "model_id": w["model"],
-                                                        **({"api_key": w["api_key"]} if w.get("api_key") else {})})
+        c, _ = _http("POST", base + "/workers", admin, registration(w))
         if c in (200, 201, 202):
             posted[w["url"]] = fingerprint(w)
     code, raw = _http("GET", base + "/workers", admin)

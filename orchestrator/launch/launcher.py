@@ -230,6 +230,11 @@ class _Launch:
                     f"{', '.join(sorted(bad))}; the prepared ones were removed)")
             ctx.say(f"  [yellow]{escape(kept)}[/yellow]")
             return self.abort(bad, kept)
+        # A replica (#58) leaves the router and finishes its in-flight requests before its engine goes
+        # (orchestrator/rolling.py); its route stage puts it back once healthy.
+        if dep.cluster.replica and dep.cluster.router:
+            from ..rolling import step_out_and_drain
+            step_out_and_drain(dep, lambda m: ctx.say(f"  {escape(m)}"))
         # Every node is cleared before any starts. Ctrl-C from here on removes what was started.
         cleanup = _cleanup(dep, ctx, self.names)
         ctx.state.cleanups.append(cleanup)

@@ -233,6 +233,34 @@ def leave(dep: "Deployment", sh: "HostShell") -> str:
     return f"{dep.name} removed from the router at {conf.url} ({left} deployment(s) still behind it)"
 
 
+def step_out(dep: "Deployment", sh: "HostShell") -> str:
+    """Replica DEP out of the router before its engine is replaced (orchestrator/rolling.py), when another
+    worker of its model is registered and healthy there (the model keeps serving); the keeper's round that
+    removed it waited for. Its route stage puts it back. What happened ("out of the router ..." when out)."""
+    conf = dep.cluster.router
+    assert conf is not None
+    model = layout.worker(dep)["model"]
+    r = sh.run(["sh", "-c", 'cat "$1/registry.json" 2>/dev/null || true', "sh", layout.state_dir(conf)], timeout=TIMEOUT_S)
+    try:
+        rows = (json.loads(r.stdout) if r.stdout.strip() else {}).get("deployments") or []
+    except ValueError:
+        rows = []
+    others = [x["deployment"] for x in rows if x.get("model") == model and x.get("deployment") != dep.name
+              and x.get("registered") and x.get("healthy")]
+    if not others:
+        return (f"stays in the router: no other replica of {model} is registered there (the model does not serve "
+                f"while this one is replaced)")
+    path = layout.worker_file(conf, dep.name)
+    rm = sh.run(["rm", "-f", path], timeout=TIMEOUT_S)
+    if rm.rc != 0:
+        raise HostFailure(f"cannot remove {path} on {conf.host.name}: {(rm.stderr or rm.stdout).strip()[-300:]}", rc=rm.rc)
+    rc, doc = _wait(sh, LEAVE_WAIT_S)
+    if rc != 0:
+        raise HostFailure(f"the router at {conf.url} still routes to {dep.name} after {LEAVE_WAIT_S:g}s: "
+                          f"{doc.get('error') or doc.get('router') or 'not removed'}", rc=rc)
+    return f"out of the router at {conf.url} ({model} served by {', '.join(others)} meanwhile)"
+
+
 def verify(dep: "Deployment", sh: "HostShell") -> str:
     """`health`: the router runs, answers /health, lists DEP's model, and its keeper routes DEP (read-only)."""
     conf = dep.cluster.router

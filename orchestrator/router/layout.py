@@ -65,10 +65,16 @@ def run_argv(conf: "RouterConf", install: str, owner: str) -> list[str]:
                        f"/state/{bundle.file_name()}", "router", "launch", "/state/config.json")
 
 
+REPLICA_POLICY = "cache_aware"      # a replicated model's balancing policy (docs/router.md "Replicas")
+
+
 def worker(dep: "Deployment") -> dict[str, Any]:
-    """DEP's entry for the keeper (its api_key is the engine's own: the router sends it to that engine)."""
+    """DEP's entry for the keeper (its api_key is the engine's own: the router sends it to that engine).
+    A replica's entry carries its model's policy and its set: every replica is one worker of the model."""
+    rep = dep.cluster.replica
     return {"deployment": dep.name, "model": dep.recipe.engine.served_name, "url": dep.api_url,
-            **({"api_key": dep.api_key.value} if dep.api_key else {})}
+            **({"api_key": dep.api_key.value} if dep.api_key else {}),
+            **({"policy": REPLICA_POLICY, "replica_of": rep[0]} if rep else {})}
 
 
 def worker_file(conf: "RouterConf", deployment: str) -> str:
