@@ -37,6 +37,8 @@ def ports(dep: Deployment) -> dict[str, dict[int, str]]:
     sv = dep.supervisor_port
     if sv is not None:
         out.setdefault(sv, "the supervisor (supervise.port)")
+        if dep.recipe.supervise.page_at is not None:
+            out.setdefault(dep.recipe.supervise.page_at, "the status page (supervise.page_port)")
     return {head: out}
 
 

@@ -315,13 +315,27 @@ class SuperviseSpec:
     # its containers, stopped, as <name>-prev on every host (their disk layers only), and the
     # supervisor starts them again if the new release fails for good (docs/supervisor.md)
     rollback: bool = False
+    # the status page the head's supervisor serves (docs/status-page.md): on the API's address, admitted
+    # like the API; its port, default port + 100
+    page: bool = True
+    page_port: int | None = None
 
     def validate(self, path: str, file: str) -> None:
-        checks.fields(self, path, file, port=("port",),
+        checks.fields(self, path, file, port=("port", "page_port"),
                       count=("health_failures", "wedge_max_tokens", "max_restarts", "keep_incidents"),
                       positive=("interval_s", "wedge_interval_s", "wedge_timeout_s", "window_s", "silent_s"),
                       non_negative=("mem_floor_gib", "mem_sustain_s", "backoff_s", "backoff_max_s",
                                     "stop_timeout_s"))
+        if self.page and self.page_at == self.port:
+            raise InputError(f"the status page and the supervisor cannot share port {self.port}: give page_port "
+                             "another", file=file, key=f"{path}.page_port")
+
+    @property
+    def page_at(self) -> int | None:
+        """The status page's port (page_port, else port + 100); None: no page (docs/status-page.md)."""
+        if not (self.enabled and self.page):
+            return None
+        return self.page_port or (self.port + 100 if self.port <= 65435 else self.port - 100)
 
 
 VERDICTS = ("unreachable", "slow-link", "mtu", "subnet", "management", "link-down", "unmeasured")

@@ -216,6 +216,7 @@ def test_rules_apply_idempotently_are_read_back_and_removed_with_the_real_iptabl
         assert got == [E.Guard("", mp, mp, ("198.18.0.1", "198.18.0.2")),
                        E.Guard("198.18.0.1", 40000, 50000, ("198.18.0.0/24",)),
                        E.Guard("", dep.api_port, dep.api_port, ("192.0.2.200",)),
+                       E.Guard("", dep.recipe.supervise.page_at, dep.recipe.supervise.page_at, ("192.0.2.200",)),
                        E.Guard("", dep.recipe.supervise.port, dep.recipe.supervise.port,
                                tuple(h.address for h in dep.cluster.hosts))], got
         c = E.classify(E.Socket("tcp", "*", mp, "VLLM::Worker_TP", 1), dep.cluster.hosts[0], {}, dep.api_port,

@@ -125,6 +125,7 @@ def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, via_rou
         from ..benchmark.plot import build_figure, save_png
         save_png(build_figure(rep), plot_path)
         say(f"plot written to {plot_path}")
+    _to_status_page(dep, rep, plot_path, say)
     if as_json:
         emit_json(to_json(rep))
     elif not quiet:
@@ -135,3 +136,27 @@ def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, via_rou
         what += [f"C={c} had failed requests" for c in rep.failed_levels]
         STDERR.print(f"[red]failed:[/red] {'; '.join(what)}", markup=True, highlight=False, soft_wrap=True)
         sys.exit(1)
+
+
+def _to_status_page(dep, rep, plot_path: str | None, say) -> None:
+    """The result and its plot to the deployment's status page (docs/status-page.md); never fails bench."""
+    import os
+    import tempfile
+
+    from ..benchmark.plot import build_figure, save_png
+    from ..benchmark.report import to_json
+    from ..launch import status_page
+    if status_page.port(dep) is None:
+        return
+    with tempfile.TemporaryDirectory(prefix="deployctl-bench-") as tmp:
+        png = plot_path or os.path.join(tmp, "bench.png")
+        try:
+            if not plot_path:
+                save_png(build_figure(rep), png)
+            with open(png, "rb") as fh:
+                data: bytes | None = fh.read()
+        except (OSError, ValueError):
+            data = None
+        said = status_page.push_bench(dep, to_json(rep), data)
+    if said:
+        say(said)

@@ -222,7 +222,8 @@ def _exposure_table(found: dict[str, dict[str, Any]]) -> Table:
             t.add_row(host, "", "", "", "no listening socket" if v["containers"] else "no running container", "")
         for x in v["sockets"]:
             addr = f"[{x['address']}]" if ":" in x["address"] else x["address"]
-            t.add_row(host, x["proto"], f"{addr}:{x['port']}", f"{escape(x['process'])} ({x['pid']})",
+            t.add_row(host, x["proto"], f"{addr}:{x['port']}", f"{escape(x['process'])} ({x['pid']})"
+                      + (f": {escape(x['serves'])}" if x.get("serves") else ""),
                       escape(x["reachable_from"]), f"[yellow]{escape(x['concern'])}[/yellow]" if x["concern"] else "")
     return t
 

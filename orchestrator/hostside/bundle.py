@@ -23,6 +23,8 @@ def _members() -> list[tuple[str, bytes]]:
     files = [(f"orchestrator/{m}", (PKG / m).read_bytes()) for m in MODULES]
     for p in sorted((PKG / "hostside").glob("*.py")):
         files.append((f"orchestrator/hostside/{p.name}", p.read_bytes()))
+    for p in sorted((PKG / "hostside" / "page").glob("*.*")):     # the status page's assets (status_page.py)
+        files.append((f"orchestrator/hostside/page/{p.name}", p.read_bytes()))
     files.append(("__main__.py", MAIN.encode()))
     return files
 

@@ -50,6 +50,7 @@ from .command_agent import drop_lock, take_lock
 from .host_read import EngineAPI
 from .httpcall import call
 from .metrics import CONTENT_TYPE, Family, render
+from . import status_page
 
 SOCKET = "/run/deployctl/docker.sock"    # the host's Docker socket, mounted here
 ENGINE_LABEL = "deployctl.deployment"     # the engines' label (launch/containers.py)
@@ -1005,6 +1006,7 @@ def main(argv: list[str]) -> int:
     if cfg["role"] == "head":
         sup = Supervisor(cfg, state_dir, engine)
         sup.stopping = stopping
+        status_page.start(sup)      # its own socket and thread (docs/status-page.md)
         signal.signal(signal.SIGTERM, lambda *a: (stopping.set(), sup.wake.set()))
         return sup.run()
     signal.signal(signal.SIGTERM, lambda *a: stopping.set())

@@ -27,7 +27,7 @@ from ..executors.shells import HostShell, Shells
 from ..outcomes import parallel
 from .containers import list_containers
 from .firewall import chain_name, read_chain
-from . import supervision
+from . import status_page, supervision
 
 SS_ARGV = ("ss", "-H", "-l", "-n", "-p", "-t", "-u")
 ADDR_ARGV = ("ip", "-j", "addr", "show")
@@ -48,6 +48,7 @@ class Socket:
     scope: str = ""      # every interface | loopback | management | fabric | interface <name>
     reachable_from: str = ""
     concern: str = ""    # why this one is exposed beyond where it belongs ("" = fine)
+    serves: str = ""     # what deployctl serves there, where known (the API, the supervisor, the status page)
 
 
 def parse_ss(text: str) -> list[Socket]:
@@ -115,11 +116,12 @@ def parse_chain(text: str) -> list[Guard]:
 
 
 def classify(s: Socket, host, addresses: dict[str, str], api_port: int,
-             guards: list[Guard] | None = None, chain: str = "", served: tuple[int, ...] = ()) -> Socket:
+             guards: list[Guard] | None = None, chain: str = "", served: tuple[int, ...] = (),
+             api_like: tuple[int, ...] = ()) -> Socket:
     """Scope, who can reach it, and a concern when an internal port is reachable beyond the fabric
     (GUARDS: the ports the deployment's firewall chain confines, and to whom; SERVED: ports meant for
     the management network when bound to its address: the supervisor's, token-guarded reports and a
-    read-only /metrics)."""
+    read-only /metrics; API_LIKE: ports bound and admitted like the API, the status page's)."""
     mgmt, fabric_addr, fabric_iface = host.address, host.fabric_address, host.fabric_iface
     nets = [f"{a} ({i}{', management' if a == mgmt else ''}"
             f"{', fabric' if a == fabric_addr or (fabric_iface and i == fabric_iface) else ''})"
@@ -140,7 +142,7 @@ def classify(s: Socket, host, addresses: dict[str, str], api_port: int,
     if guard and scope != "loopback" and (s.address not in WILDCARDS or not guard.dest):
         reach = (f"only {', '.join(guard.sources) or 'this host'} and loopback (firewall chain {chain}; "
                  f"bound to {reach})")
-    elif s.port != api_port and scope in ("every interface", "management") and \
+    elif s.port != api_port and s.port not in api_like and scope in ("every interface", "management") and \
             not (s.port in served and scope == "management"):
         concern = ("an internal port reachable from the management network (unauthenticated inter-node "
                    "traffic: bind it to the fabric or firewall it)")
@@ -173,14 +175,17 @@ def read_host(dep: Deployment, sh: HostShell) -> dict[str, Any]:
     head = sh.host.name == dep.cluster.head
     api_port = dep.api_port if head else -1
     served = (supervision.head_port(dep),) if head and supervision.head_port(dep) else ()
+    page = (status_page.port(dep),) if head and status_page.port(dep) else ()
+    roles = {dep.api_port: "the API", **{p: "the supervisor (agents' reports, /metrics)" for p in served},
+             **{p: "the status page (docs/status-page.md)" for p in page}} if head else {}
     seen, out = set(), []
     for s in parse_ss(ss.stdout):
         key = (s.proto, s.address, s.port)
         if s.pid not in pids or key in seen:
             continue
         seen.add(key)
-        out.append(classify(Socket(**{**asdict(s), "container": pids[s.pid]}), sh.host, addrs, api_port,
-                            guards, chain, served))
+        out.append(classify(Socket(**{**asdict(s), "container": pids[s.pid], "serves": roles.get(s.port, "")}),
+                            sh.host, addrs, api_port, guards, chain, served, page))
     out.sort(key=lambda s: (s.proto, s.port, s.address))
     return {"containers": cs, "sockets": [asdict(s) for s in out],
             "firewall": {"chain": chain, "guards": [asdict(g) for g in guards]}}

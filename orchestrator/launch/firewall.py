@@ -18,6 +18,7 @@ IPv6) and one jump to it at the top of INPUT, commented `deployctl <deployment>`
   network that routes to the fabric address reaches them;
 - the API port, only when the inventory lists `api_allow`: RETURN for those sources, REJECT the
   rest; without api_allow the chain RETURNs the API port before anything else;
+- the status page's port on the head (supervise.page_port) as the API's: with api_allow only from those;
 - the head's supervisor port (workers' reports, its /metrics): RETURN for the deployment's
   management addresses and `metrics_allow` (the Prometheus host), REJECT the rest.
 
@@ -38,7 +39,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-from . import supervision
+from . import status_page, supervision
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
@@ -145,8 +146,11 @@ def ruleset(dep: "Deployment", host: "Host", detected: dict[str, tuple[str, str]
     nets = fabric_networks(dep, detected)
     for addr in own:     # the engine's other listeners are bound here, on ephemeral ports (gloo, message queues)
         guard("EPHEMERAL", nets, "the engine's fabric listeners: the fabric", addr)
+    page = status_page.port(dep) if head else None        # the status page: admitted like the API
     if allow:
         guard(str(dep.api_port), allow, "the API: all.vars.api_allow")
+        if page:
+            guard(str(page), allow, "the status page, like the API: all.vars.api_allow")
     control = supervision.head_port(dep) if head and multi else None
     if control:
         mgmt = management_sources(dep)
@@ -160,6 +164,8 @@ def ruleset(dep: "Deployment", host: "Host", detected: dict[str, tuple[str, str]
     top = [f"-A {chain} -i lo -j RETURN", f"-A {chain} -m conntrack --ctstate ESTABLISHED,RELATED -j RETURN"]
     if head and not allow:      # the API is never touched unless api_allow asks
         top.append(f"-A {chain} -p tcp --dport {dep.api_port} -j RETURN")
+        if page:
+            top.append(f"-A {chain} -p tcp --dport {page} -j RETURN")
     text = {fam: "".join(f"{line}\n" for line in ["*filter", f":{chain} - [0:0]", *top, *out, "COMMIT"])
             for fam, out in rules.items()}
     return Ruleset(host.name, chain, comment, text[4], text[6], tuple(summary))

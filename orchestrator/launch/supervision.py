@@ -32,6 +32,7 @@ from ..outcomes import HostFailure, parallel
 from ..paths import LOCK_DIR, lock_path
 from .containerspec import start_sequence, start_step
 from .diagnosis import ORIGIN
+from . import status_page
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
@@ -106,7 +107,8 @@ def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
                 "startup_timeout_s": r.health.startup_timeout_s, "order": seq,
                 "wait_before_head_s": start_step(dep, head.name)["wait_before_s"],
                 "origin": origin, "lock_file": f"{MOUNT}/lock/{PurePosixPath(lock_path(dep.name)).name}",
-                "release_history": f"{MOUNT}/releases/{rel._slug(dep.name)}.json", "rollback": s.rollback}
+                "release_history": f"{MOUNT}/releases/{rel._slug(dep.name)}.json", "rollback": s.rollback,
+                "page": status_page.config(dep)}      # the status page it serves (docs/status-page.md)
     out = {head.name: head_cfg}
     for h in c.workers:
         out[h.name] = {**common, "role": "worker", "host": h.name, "head_url": f"http://{_url_host(head.address)}:{s.port}"}

@@ -57,6 +57,12 @@ def apply(dep, actions, ctx):
         ctx.say(line)
     doc = rep.to_json()
     ctx.write_json("fabric.json", doc)
+    if rep.ok and not rep.cached_from:        # a new passing check: to the status page (launch/status_page.py)
+        from ..fabric import cache
+        from ..launch import status_page
+        said = status_page.push_fabric(dep, cache.last(str(ctx.run_dir.parent), dep.name))
+        if said and "not updated" in said:
+            ctx.say(said)
     out = []
     for a in actions:
         log = ctx.host_log(a.host, "fabric")

@@ -2,7 +2,7 @@
 health: it watches what `up` just proved healthy and restarts the group when it fails."""
 from __future__ import annotations
 
-from ..launch import supervision
+from ..launch import status_page, supervision
 from ..plan import Action
 from ..runoptions import RunOptions
 from .base import Stage
@@ -25,6 +25,7 @@ def plan(dep, options: RunOptions):
                 f"{s.window_s:g}s; records incidents under {supervision.state_dir(dep, h)}/incidents"
                 + f"; serves /metrics on {h.address}:{port}"
                 + (", where it hears the workers' agents" if dep.cluster.workers else "")
+                + (f"; the status page on {status_page.url(dep)}" if status_page.url(dep) else "")
                 if head else
                 f"agent container {supervision.container_name(dep)} (--restart unless-stopped): reports rank "
                 f"{h.rank} to the head's supervisor ({dep.cluster.head_host.address}:{port}) and carries out "
@@ -49,6 +50,8 @@ def apply(dep, actions, ctx):
             fabric = cache.last(str(ctx.run_dir.parent), dep.name)      # where the fabric stage keeps it
             if fabric:                  # the last fabric result, for the supervisor's /metrics
                 supervision.write_fabric(dep, shells[dep.cluster.head], supervision.fabric_summary(fabric))
+            page = status_page.push_up(dep, shells[dep.cluster.head], fabric)     # the page's controller facts
+            logs[dep.cluster.head].write(page)
         except Exception as e:  # noqa: BLE001 - every host gets the reason
             f = failure(e)
             return [record(ctx, logs[n], "supervise", n, "failed", f"supervisor not installed: {f}", rc=f.rc)
