@@ -87,13 +87,34 @@ def roll_order(names: list[str]) -> list[str]:
     return sorted(names, key=index)
 
 
-def _metrics(dep: "Deployment") -> float | None:
+def _metrics_text(dep: "Deployment") -> str | None:
     from .hostside import httpcall
     try:
         code, body = httpcall.call(dep.api_url + "/metrics", dep.api_key.value if dep.api_key else None, timeout=5)
     except OSError:
         return None
-    return requests_in_flight(body.decode(errors="replace")) if code == 200 else None
+    return body.decode(errors="replace") if code == 200 else None
+
+
+def _metrics(dep: "Deployment") -> float | None:
+    text = _metrics_text(dep)
+    return requests_in_flight(text) if text is not None else None
+
+
+def served_by(dep: "Deployment") -> float | None:
+    """The requests DEP's engine has finished since it started (its own /metrics); None: not readable."""
+    text = _metrics_text(dep)
+    return requests_served(text) if text is not None else None
+
+
+def per_replica(before: dict[str, float | None], after: dict[str, float | None]) -> dict[str, float | None]:
+    """Requests each replica finished between two readings (None where either is missing, or the engine
+    restarted in between: its counter went back). Pure."""
+    out: dict[str, float | None] = {}
+    for n, a in after.items():
+        b = before.get(n)
+        out[n] = a - b if a is not None and b is not None and a >= b else None
+    return out
 
 
 def step_out_and_drain(dep: "Deployment", say: Callable[[str], None]) -> None:

@@ -163,3 +163,10 @@ def test_the_roll_goes_by_index_and_up_rolls_a_replicated_deployment(tmp_path):
     assert replicas_to_roll(InventoryRef.of(inv, "llm.r2")) is None          # one replica's own up
     two = _write(tmp_path, {"a": {"hosts": ["node1"], "recipe": "vllm-cpu"}, "b": {"hosts": ["node2"], "recipe": "vllm-cpu"}})
     assert replicas_to_roll(InventoryRef.of(two, None)) is None
+
+
+def test_requests_per_replica_between_two_readings():
+    from orchestrator.rolling import per_replica
+    assert per_replica({"m.r1": 10.0, "m.r2": 4.0}, {"m.r1": 30.0, "m.r2": 25.0}) == {"m.r1": 20.0, "m.r2": 21.0}
+    # unreadable, or restarted in between (its counter went back): unknown, never a negative count
+    assert per_replica({"m.r1": None, "m.r2": 40.0}, {"m.r1": 3.0, "m.r2": 2.0}) == {"m.r1": None, "m.r2": None}

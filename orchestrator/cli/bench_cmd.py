@@ -69,6 +69,9 @@ def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, via_rou
     from ..benchmark.loadgen import LoadSpec, list_models, size_prompt, sweep
     from ..benchmark.report import build_report, run_config, to_json
 
+    from ..inventory import InventoryRef, replica_names
+    if reps := replica_names(inventory, getattr(inventory, "deployment", None)):
+        inventory = InventoryRef.of(inventory, reps[0])     # -d NAME of replicas: the one model they serve
     dep = load_deployment(inventory, recipe, tuple(sets))
     r = dep.recipe
     overrides = {k: v for k, v in (("rounds", rounds), ("input_tokens", input_tokens), ("max_tokens", max_tokens),
@@ -118,7 +121,18 @@ def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, via_rou
     say(f"prompt: {size.words} words for {spec.input_tokens} tokens"
         + (f" ({size.tokens_per_word:.2f} tokens per word on {spec.model})" if size.tokens_per_word else
            f"; {size.why}"))
+    replicas = []
+    if via_router and dep.cluster.replica:          # #58: how many requests each replica served
+        from ..rolling import served_by
+        replicas = [dep] + [load_deployment(InventoryRef.of(inventory, n), recipe, tuple(sets), together=False)
+                            for n in dep.cluster.siblings]
+        replicas.sort(key=lambda d: d.name)
+        before = {d.name: served_by(d) for d in replicas}
     warm, runs = asyncio.run(sweep(spec, bench.concurrency, warmup=warmup, progress=say))
+    served_per = None
+    if replicas:
+        from ..rolling import per_replica
+        served_per = per_replica(before, {d.name: served_by(d) for d in replicas})
     rep = build_report(runs, bench, run_config(spec, bench, warmup, deployment=dep.name, recipe=r.name,
                                                prompt=size.to_json()), warm)
     if plot_path:
@@ -127,10 +141,16 @@ def bench_command(inventory, recipe, sets, as_json, verbose, quiet, url, via_rou
         say(f"plot written to {plot_path}")
     _to_status_page(dep, rep, plot_path, say)
     if as_json:
-        emit_json(to_json(rep))
+        emit_json({**to_json(rep), **({"served_per_replica": served_per} if served_per is not None else {})})
     elif not quiet:
         from ..benchmark.report_text import print_report
         print_report(rep)
+    if served_per is not None and not as_json:
+        known = [v for v in served_per.values() if v is not None]
+        spread = f"; max/min {max(known) / min(known):.2f}" if len(known) > 1 and min(known) > 0 else ""
+        STDERR.print("served per replica (each engine's /metrics, warm-up and sizing probes included): "
+                     + ", ".join(f"{n} {v:g}" if v is not None else f"{n} unreadable" for n, v in served_per.items())
+                     + spread, markup=False, highlight=False)
     if fail_on_regression and not rep.ok:
         what = [f"C={g.concurrency} {g.metric} {g.ratio:.2f}x reference" for g in rep.regressions]
         what += [f"C={c} had failed requests" for c in rep.failed_levels]
