@@ -170,3 +170,18 @@ def test_requests_per_replica_between_two_readings():
     assert per_replica({"m.r1": 10.0, "m.r2": 4.0}, {"m.r1": 30.0, "m.r2": 25.0}) == {"m.r1": 20.0, "m.r2": 21.0}
     # unreadable, or restarted in between (its counter went back): unknown, never a negative count
     assert per_replica({"m.r1": None, "m.r2": 40.0}, {"m.r1": 3.0, "m.r2": 2.0}) == {"m.r1": None, "m.r2": None}
+
+
+def test_the_demo_writes_a_two_replica_inventory(tmp_path):
+    """`python -m tests.cluster demo --routed` also writes replicas.yml (README): it loads as 2 replicas."""
+    from types import SimpleNamespace
+    from tests.cluster.demo import replicas_data
+    hosts = [SimpleNamespace(name=f"node{i}", number=i, rank=i - 1, address=f"10.9.9.{i}", ssh_port=22,
+                             fabric_cidr=f"10.8.8.{i}/24", nvme_dir=f"/n{i}", model_cache=f"/m{i}",
+                             docker_host="unix:///var/run/docker.sock", emulated=False) for i in (1, 2, 3)]
+    (tmp_path / "router.key").write_text("sk-demo-router-0123456789\n")
+    p = tmp_path / "replicas.yml"
+    p.write_text(yaml.safe_dump(replicas_data("demo", hosts, "http://10.9.9.3:8088", str(tmp_path / "router.key"))))
+    assert deployment_names(p) == ["llm.r1", "llm.r2"]
+    r2 = load_deployment(InventoryRef.of(p, "llm.r2"))
+    assert r2.cluster.head == "node3" and r2.recipe.parallelism.tensor_parallel == 1 and r2.cluster.router
