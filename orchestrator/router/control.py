@@ -247,6 +247,8 @@ def step_out(dep: "Deployment", sh: "HostShell") -> str:
         rows = []
     others = [x["deployment"] for x in rows if x.get("model") == model and x.get("deployment") != dep.name
               and x.get("registered") and x.get("healthy")]
+    if not any(x.get("deployment") == dep.name and x.get("registered") for x in rows):
+        return "not routed (nothing to take out of the router)"
     if not others:
         return (f"stays in the router: no other replica of {model} is registered there (the model does not serve "
                 f"while this one is replaced)")
