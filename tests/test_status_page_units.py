@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.hostside import status_page as P
-from orchestrator.hostside.supervisor import RankView, masker
+from orchestrator.hostside.supervisor import RankView, exit_text, masker
 from tests.browser import Browser, executable
 
 KEY = "sk-page-unit-key-0123456789"
@@ -56,7 +56,7 @@ class FakeSup:
 def served(tmp_path):
     sup = FakeSup(str(tmp_path))
     os.makedirs(tmp_path / "incidents")
-    srv = P.start(sup)
+    srv = P.start(sup, exit_text)
     assert srv is not None
     yield sup, f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
@@ -109,7 +109,7 @@ def test_the_key_once_gives_a_cookie_that_is_not_the_key(served):
 
 def test_no_key_on_the_deployment_no_key_on_the_page(tmp_path):
     sup = FakeSup(str(tmp_path), key=None)
-    srv = P.start(sup)
+    srv = P.start(sup, exit_text)
     try:
         code, _, body = get(f"http://127.0.0.1:{srv.server_address[1]}/api/state")
         assert code == 200 and not json.loads(body)["key_required"]
@@ -120,7 +120,7 @@ def test_no_key_on_the_deployment_no_key_on_the_page(tmp_path):
 
 def test_a_silent_host_is_never_healthy_and_a_stopped_rank_is_down_with_its_signal(tmp_path):
     sup = FakeSup(str(tmp_path))
-    page = P.Page(sup)
+    page = P.Page(sup, exit_text)
     sup.ranks["node2"].age_s = 40
     doc = json.loads(page.build())
     assert doc["verdict"] == "unknown" and any("node2: no answer" in w for w in doc["why"]), doc
@@ -130,13 +130,13 @@ def test_a_silent_host_is_never_healthy_and_a_stopped_rank_is_down_with_its_sign
     sup.ranks["node2"].container.update(status="exited", exit_code=137)
     sup.ranks["node2"].log_tail = [f"--api-key {KEY}", "killed"]
     sup.probes["health"] = (False, time.time())
-    page = P.Page(sup)
+    page = P.Page(sup, exit_text)
     doc = json.loads(page.build())
     assert doc["verdict"] == "down" and "SIGKILL" in " ".join(doc["why"]), doc
     assert KEY not in json.dumps(doc), "secrets masked"
     sup.probes["health"] = (True, time.time() - 120)
     sup.ranks["node2"].container.update(status="running", exit_code=0)
-    assert json.loads(P.Page(sup).build())["verdict"] == "degraded", "a /health probe 2 min old is not health"
+    assert json.loads(P.Page(sup, exit_text).build())["verdict"] == "degraded", "a /health probe 2 min old is not health"
 
 
 def test_in_flight_is_read_from_the_engines_metrics():
@@ -199,7 +199,7 @@ def test_a_page_whose_server_stops_answering_says_so(tmp_path):
         pytest.skip("no chromium (apt-get install chromium)")
     sup = FakeSup(str(tmp_path), key=None)
     os.makedirs(tmp_path / "incidents")
-    srv = P.start(sup)
+    srv = P.start(sup, exit_text)
     base = f"http://127.0.0.1:{srv.server_address[1]}/"
     with Browser() as b:
         p = b.page(base)

@@ -125,8 +125,8 @@ class Page:
     """What the page shows, built from the supervisor SUP (duck-typed: cfg, dir, key, mask, state, detail,
     probes, restarts, restarts_total, views(cached=True), history(), fabric())."""
 
-    def __init__(self, sup: Any):
-        self.sup, self.cfg = sup, sup.cfg
+    def __init__(self, sup: Any, exit_text: Callable[[dict[str, Any]], str] = lambda c: str(c.get("status"))):
+        self.sup, self.cfg, self.exit_text = sup, sup.cfg, exit_text
         self.page_dir = os.path.join(sup.dir, "page")
         self.snapshot = Cached(SNAPSHOT_TTL_S, self.build)
         self.in_flight = Cached(IN_FLIGHT_TTL_S, self._in_flight)
@@ -172,7 +172,7 @@ class Page:
             row.update(answering=r.age_s <= silent, report_at=now - r.age_s,
                        why="" if r.age_s <= silent else f"its agent has not reported for {r.age_s:.0f}s",
                        container=c.get("name", ""), status=c.get("status", "none") if c else "none",
-                       running=r.running, exit=_exit_text(c) if c and not r.running else "",
+                       running=r.running, exit=self.exit_text(c) if c and not r.running else "",
                        started_at=c.get("started_at", ""), finished_at=c.get("finished_at", ""),
                        image=(c.get("image") or "")[:19], mem_available_bytes=None if r.mem_kib is None else r.mem_kib * 1024,
                        disk_avail_bytes=r.disk_avail, log_tail=list(r.log_tail)[-15:] if not r.running else [])
@@ -264,11 +264,6 @@ class Page:
         return sup.mask(json.dumps(doc, default=str)).encode()
 
 
-def _exit_text(c: dict[str, Any]) -> str:
-    from .supervisor import exit_text          # the supervisor's wording (exit code and signal)
-    return exit_text(c)
-
-
 # ------------------------------------------------------------------------------------------ HTTP
 
 def handler(page: Page) -> type[http.server.BaseHTTPRequestHandler]:
@@ -330,7 +325,7 @@ def handler(page: Page) -> type[http.server.BaseHTTPRequestHandler]:
             elif path == "/bench.png":
                 try:
                     with open(os.path.join(page.page_dir, "bench.png"), "rb") as fh:
-                        self.send(200, fh.read(), "image/png")
+                        self.send(200, fh.read(), "image/png", {"Cache-Control": "private, max-age=86400"})
                 except OSError:
                     self.send(404, b"no bench plot pushed yet", "text/plain")
             elif path == "/logout":
@@ -366,16 +361,17 @@ class Server6(http.server.ThreadingHTTPServer):
     address_family = socket.AF_INET6
 
 
-def start(sup: Any) -> http.server.ThreadingHTTPServer | None:
+def start(sup: Any, exit_text: Callable[[dict[str, Any]], str] | None = None,
+          log: Callable[[str], None] = print) -> http.server.ThreadingHTTPServer | None:
     """The page's server on the config's page.listen:page.port, in a thread of its own; None when the
-    config has no page or the port cannot be bound (logged: the supervisor goes on without it)."""
+    config has no page or the port cannot be bound (logged: the supervisor goes on without it).
+    EXIT_TEXT and LOG: the supervisor's (its wording of an exit status and signal; its log)."""
     conf = sup.cfg.get("page")
     if not conf:
         return None
-    from .supervisor import log
     server = Server6 if ":" in str(conf["listen"]) else http.server.ThreadingHTTPServer
     try:
-        srv = server((conf["listen"], int(conf["port"])), handler(Page(sup)))
+        srv = server((conf["listen"], int(conf["port"])), handler(Page(sup, *([exit_text] if exit_text else []))))
     except OSError as e:
         log(f"status page: cannot listen on {conf['listen']}:{conf['port']} ({e}): no status page")
         return None

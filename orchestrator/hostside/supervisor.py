@@ -1006,7 +1006,7 @@ def main(argv: list[str]) -> int:
     if cfg["role"] == "head":
         sup = Supervisor(cfg, state_dir, engine)
         sup.stopping = stopping
-        status_page.start(sup)      # its own socket and thread (docs/status-page.md)
+        status_page.start(sup, exit_text, log)      # its own socket and thread (docs/status-page.md)
         signal.signal(signal.SIGTERM, lambda *a: (stopping.set(), sup.wake.set()))
         return sup.run()
     signal.signal(signal.SIGTERM, lambda *a: stopping.set())

@@ -19,8 +19,8 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from .. import sizing
-from ..deployment import WILDCARD_ADDRESSES
 from ..secrets import mask_data
+from . import supervision
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
@@ -37,28 +37,14 @@ WRITE_B64_SH = 'umask 077; mkdir -p "$(dirname "$1")" && base64 -d > "$1.tmp" &&
 
 def port(dep: "Deployment") -> int | None:
     """The page's port on the head; None: no page (not supervised, or supervise.page: false)."""
-    return dep.recipe.supervise.page_at if dep.supervisor_port is not None else None
-
-
-def listen(dep: "Deployment") -> str:
-    """Where the page listens: where the API listens (all.vars.api_listen, else the head's management address)."""
-    return dep.api_listen
+    c = supervision.page_config(dep)
+    return c["port"] if c else None
 
 
 def url(dep: "Deployment") -> str | None:
-    p = port(dep)
-    if p is None:
-        return None
-    host = dep.cluster.head_host.address if dep.api_listen in WILDCARD_ADDRESSES else dep.api_listen
-    return f"http://{f'[{host}]' if ':' in host else host}:{p}/"
-
-
-def config(dep: "Deployment") -> dict[str, Any] | None:
-    """The `page` entry of the head's supervisor config.json (pure; no secret)."""
-    p = port(dep)
-    if p is None:
-        return None
-    return {"listen": listen(dep), "port": p, "url": url(dep), "key": bool(dep.api_key)}
+    """http://<where the API listens>:<page port>/ (the head's address when it listens everywhere)."""
+    c = supervision.page_config(dep)
+    return c["url"] if c else None
 
 
 # ---------------------------------------------------------------------------------------- facts
@@ -134,7 +120,6 @@ def bench_facts(report: dict[str, Any], now: float | None = None) -> dict[str, A
 # ---------------------------------------------------------------------------------------- push
 
 def page_dir(dep: "Deployment") -> str:
-    from . import supervision
     return str(PurePosixPath(supervision.state_dir(dep, dep.cluster.head_host)) / SUBDIR)
 
 
@@ -195,7 +180,7 @@ def push_bench(dep: "Deployment", report: dict[str, Any], png: bytes | None) -> 
 def _with_head(dep: "Deployment", fn) -> str:
     from ..executors.shells import HostShell
     try:
-        sh = HostShell(dep.cluster, dep.cluster.head)
+        sh = HostShell(dep.cluster, dep.cluster.head_host)
         try:
             fn(sh)
         finally:

@@ -32,7 +32,6 @@ from ..outcomes import HostFailure, parallel
 from ..paths import LOCK_DIR, lock_path
 from .containerspec import start_sequence, start_step
 from .diagnosis import ORIGIN
-from . import status_page
 
 if TYPE_CHECKING:
     from ..deployment import Deployment
@@ -108,7 +107,7 @@ def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
                 "wait_before_head_s": start_step(dep, head.name)["wait_before_s"],
                 "origin": origin, "lock_file": f"{MOUNT}/lock/{PurePosixPath(lock_path(dep.name)).name}",
                 "release_history": f"{MOUNT}/releases/{rel._slug(dep.name)}.json", "rollback": s.rollback,
-                "page": status_page.config(dep)}      # the status page it serves (docs/status-page.md)
+                "page": page_config(dep)}      # the status page it serves (docs/status-page.md)
     out = {head.name: head_cfg}
     for h in c.workers:
         out[h.name] = {**common, "role": "worker", "host": h.name, "head_url": f"http://{_url_host(head.address)}:{s.port}"}
@@ -116,6 +115,16 @@ def configs(dep: "Deployment") -> dict[str, dict[str, Any]]:
     for cfg in out.values():
         cfg["install"] = digest
     return out
+
+
+def page_config(dep: "Deployment") -> dict[str, Any] | None:
+    """The status page the head's supervisor serves (hostside/status_page.py; launch/status_page.py pushes
+    its facts): where the API listens, on supervise.page_port; None: no page. Pure; no secret."""
+    port = dep.recipe.supervise.page_at if enabled(dep) else None
+    if port is None:
+        return None
+    host = dep.cluster.head_host.address if dep.api_listens_everywhere else dep.api_listen
+    return {"listen": dep.api_listen, "port": port, "url": f"http://{_url_host(host)}:{port}/", "key": bool(dep.api_key)}
 
 
 def _url_host(address: str) -> str:

@@ -34,12 +34,6 @@
     return el("table", attrs || {}, el("thead", {}, el("tr", {}, head.map(h => el("th", {}, h)))), el("tbody", {}, rows));
   }
   function fill(id, ...kids) { const b = document.querySelector("#" + id + " .body"); b.replaceChildren(...kids.flat()); }
-  function bar(value, of, low) {
-    if (value === null || value === undefined || !of) return "";
-    const pct = Math.max(0, Math.min(100, 100 * value / of));
-    return el("span", {class: "bar" + (low ? " low" : "")}, el("span", {style: "width:" + pct.toFixed(0) + "%"}));
-  }
-
   function renderHeader() {
     const d = doc, stale = !!failing;
     document.body.classList.toggle("stale", stale);
@@ -83,8 +77,9 @@
         el("td", {class: "state"}, state, r.running === false && r.log_tail && r.log_tail.length ?
           el("details", {}, el("summary", {}, "last log lines"), el("pre", {}, r.log_tail.join("\n"))) : ""),
         el("td", {}, age(r.report_at)),
-        el("td", {}, bar(mem, need ? Math.max(need, mem || 0) : null, floor && mem < floor), gib(mem),
-          need ? el("span", {class: "dim"}, " / plan " + gb(need) + " in use") : ""),
+        el("td", {}, el("span", {class: floor && mem < floor ? "bad" : ""}, gib(mem)),
+          floor ? el("span", {class: "dim"}, " (floor " + gib(floor) + ")") : "",
+          need ? el("span", {class: "dim"}, "; the plan uses " + gb(need)) : ""),
         el("td", {}, gb(disk), stage ? el("span", {class: disk < stage ? "bad" : "dim"}, " (staging needs " + gb(stage) + ")") : ""));
     });
     fill("s-ranks", table(["host", "rank", "engine container", "agent report", "MemAvailable", "NVMe free"], rows, {id: "ranks"}),
@@ -162,6 +157,12 @@
       age(inv.at, "routes as the controller pushed them"));
   }
 
+  let plotImg = null;           // one element per plot: a refresh does not fetch the image again
+  function plot(src) {
+    if (!plotImg || plotImg.getAttribute("src") !== src) plotImg = el("img", {class: "plot", src: src, alt: "TTFT and TPS against concurrency"});
+    return plotImg;
+  }
+
   function renderBench() {
     const b = (doc.controller || {}).bench;
     if (!b) { fill("s-bench", el("p", {class: "dim"}, "no bench pushed yet (deployctl bench)")); return; }
@@ -169,7 +170,7 @@
       table(["C", "TTFT ms", "TPS", "ITL ms", "errors", "SLO"], (b.levels || []).map(l => el("tr", {},
         el("td", {}, String(l.concurrency)), el("td", {}, l.ttft_ms === null ? "-" : l.ttft_ms.toFixed(1)), el("td", {}, l.tps === null ? "-" : l.tps.toFixed(1)),
         el("td", {}, l.itl_ms === null ? "-" : l.itl_ms.toFixed(1)), el("td", {}, String(l.errors)), el("td", {class: l.meets_slo ? "ok" : "bad"}, l.meets_slo ? "met" : "missed")))),
-      b.plot ? el("img", {class: "plot", src: "/bench.png?at=" + b.at, alt: "TTFT and TPS against concurrency"}) : "");
+      b.plot ? plot("/bench.png?at=" + b.at) : "");
   }
 
   function render() {
