@@ -41,8 +41,9 @@ def roll(inventory: Any, base: str, names: list[str], **up: Any) -> int:
             code = e.exit_code
         if code != 0:
             rest = order[i:]
-            STDERR.print(f"error: the roll of {base} stopped at replica {name} (exit {code}): it failed its `up` "
-                         f"(its previous release brought back when the new one failed launch or health: above); "
+            why = ("its input was refused before any host was touched (above)" if code == 2 else
+                   "it failed its `up` (its previous release brought back when the new one failed launch or health: above)")
+            STDERR.print(f"error: the roll of {base} stopped at replica {name} (exit {code}): {why}; "
                          + (f"not changed: {', '.join(rest)} (still on their release)" if rest else "it was the last"),
                          markup=False, highlight=False, soft_wrap=True)
             return code
