@@ -61,7 +61,7 @@ def leave_nothing(cluster):
     """A failed test leaves no engine or supervisor of this module running for the next tests (a
     supervisor left on node1 holds the supervisor port the next deployment's wants there)."""
     yield
-    for d in ("rv2", "rv1", "rv4", "rvs", "rvr", "dv1", "dv4", "rva", "rvb", "dvq"):
+    for d in ("rv2", "rv1", "rv4", "rvs", "rvr", "dv1", "dv4", "rva", "rvb", "dvq", "rep.r1", "rep.r2"):
         remove_all(cluster, d)
 
 
@@ -693,7 +693,7 @@ def _routed_inventory(cluster, hub, d: Path) -> Path:
     a.update(api_port=18121, recipe_overrides={**a["recipe_overrides"], **fast, "engine.master_port": 29621})
     b.update(api_port=18122, api_key_file="b.key",
              recipe_overrides={**b["recipe_overrides"], **fast, "engine.master_port": 29622})
-    v["router"].update(port=ROUTER_PORT, metrics_port=ROUTER_PORT + 1, check_interval_s=1)
+    v["router"].update(port=ROUTER_PORT, metrics_port=ROUTER_PORT + 2, check_interval_s=1)   # backend: + 1
     v.update(run_dir=str(d / "runs"), supervise=False, deployments={
         "rva": a, "rvb": b,
         "dvq": {"hosts": [cluster.hosts[3].name], "recipe": QWEN, "api_port": 18123, "model_fetch": "none",
@@ -703,9 +703,10 @@ def _routed_inventory(cluster, hub, d: Path) -> Path:
     return path
 
 
-def _via(cluster, path: str, body: dict | None = None, key: str | None = ROUTER_KEY) -> tuple[int, dict]:
+def _via(cluster, path: str, body: dict | None = None, key: str | None = ROUTER_KEY,
+         port: int = ROUTER_PORT) -> tuple[int, dict]:
     try:
-        return api_at(cluster.hosts[0], ROUTER_PORT, path, body, key)
+        return api_at(cluster.hosts[0], port, path, body, key)
     except (OSError, ValueError) as e:
         return 0, {"error": str(e)}
 
@@ -797,6 +798,157 @@ def test_three_deployments_behind_one_router(cluster, vllm_image, hub, double_im
     assert _docker(node1.docker_host, "ps", "-aq", "--filter", "name=^deployctl-router$").stdout.strip() == ""
 
 
+REP_PORT, REP_ROUTER = 18126, 18140
+
+
+def _replicas_inventory(cluster, hub, d: Path) -> Path:
+    """#58: the tiny Llama as 2 replicas (TP=1 on node1, TP=1 on node2) behind the router on node1, supervised."""
+    from tests.cluster.cluster import recipe_overrides
+    from tests.cluster.demo import routed_data
+    (d / "router.key").write_text(ROUTER_KEY + "\n")
+    data = routed_data(cluster.name, cluster.hosts, hub["url"], str(d / "router.key"))
+    for h in cluster.hosts[:2]:            # TP=1 alone on each: twice a TP=2 rank's share of the RAM
+        hv = data["all"]["hosts"][h.name]
+        hv["host_ram_gb"] = round(hv["host_ram_gb"] * len(cluster.hosts) / 2, 1)
+    v = data["all"]["vars"]
+    v["router"].update(port=REP_ROUTER, metrics_port=REP_ROUTER + 2, check_interval_s=1)   # backend: + 1
+    v.update(run_dir=str(d / "runs"), deployments={"rep": {
+        "hosts": [h.name for h in cluster.hosts[:2]], "replicas": 2, "recipe": RECIPE, "api_port": REP_PORT,
+        "recipe_overrides": {**recipe_overrides(RECIPE, 1), **STAY_UP, "engine.master_port": 29626,
+                             "engine.served_name": SERVED}}})
+    path = d / "replicas.yml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _registry(host) -> dict[str, bool]:
+    """The router keeper's view (its registry.json): replica -> registered with the router."""
+    p = _docker(host.docker_host, "exec", "deployctl-router", "cat", "/state/registry.json")
+    try:
+        return {r["deployment"]: r["registered"] for r in json.loads(p.stdout).get("deployments") or []}
+    except ValueError:
+        return {}
+
+
+def _served(host, port: int) -> float:
+    """The requests the engine at HOST:PORT finished, from its own /metrics."""
+    from orchestrator.rolling import requests_served
+    with urllib.request.urlopen(f"http://{host.address}:{port}/metrics", timeout=10) as r:
+        return requests_served(r.read().decode()) or 0.0
+
+
+class Sampler:
+    """Every second: how many replicas the router's keeper has registered (min and the samples)."""
+
+    def __init__(self, host):
+        self.host, self.samples, self._stop = host, [], threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self.samples.append(sum(_registry(self.host).values()))
+
+    def __enter__(self) -> "Sampler":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join(timeout=30)
+
+
+def test_two_replicas_roll_without_failing_a_request(cluster, vllm_image, hub, tmp_path):
+    """#58 on the real engine: the tiny Llama as 2 replicas (TP=1 on node1 and on node2) behind the router,
+    /v1/models listing it once. Under a steady load through the router: a rolling change of an engine
+    argument fails no request, each replica serves before and after and both run the new argument at
+    the end, one replica out at a time (the keeper's registrations sampled every second); one replica's
+    engine killed: the router stops sending to it within a bound, the failures are the requests that
+    were in flight on it (counted), its supervisor brings it back and it serves; a release that crashes
+    stops the roll at the first replica (rolled back), the other untouched and serving."""
+    t_test = time.monotonic()
+    node1, node2 = cluster.hosts[0], cluster.hosts[1]
+    for d in ("rep.r1", "rep.r2"):
+        remove_all(cluster, d)
+    image_of = lambda engine: _docker(engine, "image", "inspect", "--format", "{{.Id}}", vllm_image).stdout.strip()  # noqa: E731
+    if image_of(node2.docker_host) != image_of(LOCAL):
+        cluster.load_image(node2, vllm_image)          # node2 heads replica 2: its image, no build there
+    inv = _replicas_inventory(cluster, hub, tmp_path)
+    fig: dict[str, object] = {}
+    try:
+        t0 = time.monotonic()
+        p = up(inv, "-d", "rep", "--skip", "build")
+        assert p.returncode == 0, out(p)
+        fig["first_up_s"] = round(time.monotonic() - t0, 1)
+        assert "roll rep: ok (2 replicas" in p.stderr, out(p)
+        code, doc = _via(cluster, "/v1/models", port=REP_ROUTER)
+        assert code == 200 and [m["id"] for m in doc["data"]] == [SERVED], doc          # the model once
+        assert _registry(node1) == {"rep.r1": True, "rep.r2": True}
+
+        # 1. a rolling change of an engine argument under load: no failed request, never fewer than 1 serving
+        served = lambda: (_served(node1, REP_PORT), _served(node2, REP_PORT))  # noqa: E731
+        with SteadyLoad(cluster, SERVED, REP_ROUTER, fresh_prefix=True) as load:
+            s0 = served()
+            time.sleep(8)
+            s1 = served()
+            assert s1[0] > s0[0] and s1[1] > s0[1], ("each replica serves before the roll", s0, s1)
+            with Sampler(node1) as sampler:
+                t0 = time.monotonic()
+                p = up(inv, "-d", "rep", "--skip", "build", "--set", "engine.args.max-num-seqs=4")
+                fig["roll_s"] = round(time.monotonic() - t0, 1)
+            assert p.returncode == 0, out(p)
+            assert "out of the router" in out(p) and ("drained" in out(p) or "nothing in flight" in out(p)), out(p)
+            s2 = served()
+            time.sleep(8)
+            s3 = served()
+        assert load.failed == [], (load.done, load.failed[:3])
+        assert s3[0] > s2[0] and s3[1] > s2[1], ("each replica serves after the roll", s2, s3)
+        assert max_num_seqs(cluster, "rep.r1", node1) == "4" and max_num_seqs(cluster, "rep.r2", node2) == "4"
+        assert sampler.samples and min(sampler.samples) >= 1, sampler.samples
+        fig.update(roll_requests=load.done, roll_failed=len(load.failed), min_serving=min(sampler.samples),
+                   served_before=[s1[0] - s0[0], s1[1] - s0[1]], served_after=[s3[0] - s2[0], s3[1] - s2[1]])
+
+        # 2. replica 2's engine killed under the load: out of the router within a bound, back by its supervisor
+        with SteadyLoad(cluster, SERVED, REP_ROUTER, fresh_prefix=True) as load:
+            time.sleep(3)
+            (cid,) = containers(cluster, node2.name, "rep.r2")
+            t0 = time.monotonic()
+            _docker(node2.docker_host, "kill", cid)
+            while _registry(node1).get("rep.r2") and time.monotonic() - t0 < 30:
+                time.sleep(0.2)
+            fig["out_of_router_s"] = round(time.monotonic() - t0, 1)
+            assert fig["out_of_router_s"] < 15, fig
+            while not _registry(node1).get("rep.r2") and time.monotonic() - t0 < 300:
+                time.sleep(1)
+            fig["back_s"] = round(time.monotonic() - t0, 1)
+            assert _registry(node1).get("rep.r2"), "the supervisor brought replica 2 back"
+            s4 = _served(node2, REP_PORT)
+            time.sleep(8)
+        assert _served(node2, REP_PORT) > s4, "replica 2 serves again"
+        # the only failures: requests that were on replica 2 when it died (a pair in flight at most)
+        fig.update(kill_requests=load.done, kill_failed=len(load.failed))
+        assert len(load.failed) <= 2, load.failed
+
+        # 3. a crashing release: the roll stops at replica 1, rolled back; replica 2 untouched, serving
+        with SteadyLoad(cluster, SERVED, REP_ROUTER, fresh_prefix=True) as load:
+            p = up(inv, "-d", "rep", "--skip", "build", "--set", "engine.args.max-num-seqs=4",
+                   "--set", "engine.args.dtype=nonsense")
+            assert p.returncode == 1, out(p)
+            text = unwrap(out(p))
+            assert "the roll of rep stopped at replica rep.r1" in text and "not changed: rep.r2" in text, text
+        assert load.failed == [], load.failed[:3]
+        assert "nonsense" not in engine_args(cluster, "rep.r2", node2)
+        assert "nonsense" not in engine_args(cluster, "rep.r1", node1), "replica 1 rolled back"
+        assert _registry(node1) == {"rep.r1": True, "rep.r2": True}
+        st = json.loads(dctl("status", "-i", str(inv), "-d", "rep", "--json").stdout)
+        assert {d["deployment"]: d["api"]["healthy"] for d in st["deployments"]} == {"rep.r1": True, "rep.r2": True}
+    finally:
+        for name in ("rep.r2", "rep.r1"):
+            dctl("down", "-i", str(inv), "-d", name, timeout=300)
+        _docker(node1.docker_host, "rm", "-f", "deployctl-router")
+        fig["test_s"] = round(time.monotonic() - t_test, 1)
+        print(f"\n[real vLLM replicas] {json.dumps(fig)}")
+
+
 def max_num_seqs(cluster, deployment: str, host) -> str:
     a = engine_args(cluster, deployment, host)
     return a[a.index("--max-num-seqs") + 1]
@@ -820,8 +972,11 @@ class SteadyLoad:
 
     PAUSE_S = 2.5
 
-    def __init__(self, cluster, model: str):
+    def __init__(self, cluster, model: str, port: int = ROUTER_PORT, fresh_prefix: bool = False):
+        """FRESH_PREFIX: each prompt starts with a word of its own (random hex), so a cache-aware router
+        balances them (no prefix to follow) instead of sending one prompt to one replica."""
         self.cluster, self.model, self.done, self.failed = cluster, model, 0, []
+        self.port, self.fresh_prefix = port, fresh_prefix
         self._stop = threading.Event()
         self._pair = threading.Barrier(2)
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
@@ -833,8 +988,9 @@ class SteadyLoad:
                 self._pair.wait(timeout=120)           # both requests in flight at once
             except threading.BrokenBarrierError:
                 return
-            code, doc = _via(self.cluster, "/v1/completions", {"model": self.model, "prompt": "one two",
-                                                               "max_tokens": 4, "temperature": 0})
+            prompt = (os.urandom(4).hex() + " one two") if self.fresh_prefix else "one two"
+            code, doc = _via(self.cluster, "/v1/completions", {"model": self.model, "prompt": prompt,
+                                                               "max_tokens": 4, "temperature": 0}, port=self.port)
             with self._lock:
                 if code == 200 and doc.get("model") == self.model:
                     self.done += 1
