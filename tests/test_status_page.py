@@ -8,7 +8,8 @@ on node3-4 (the vllm-cpu recipe, as tests/test_supervisor.py), with an API key:
 - the worker's engine killed (docker kill): the page renders that rank down with its signal (SIGKILL)
   within a bound, then the deployment healthy again, and the incident in the timeline with its evidence;
 - the worker's agent stopped: that host is shown as not answering, the deployment not healthy;
-- `deployctl bench` pushes its plot, which the page shows; `status --exposure` lists the page's socket;
+- `deployctl bench` pushes its plot, which the page shows; `status` names the page and `--exposure`
+  lists its socket;
 - `down`: the page's server is gone and the open page says it does not answer.
 Screenshots are kept in a folder the test prints (DCTL_ARTIFACTS, else /tmp/deployctl-artifacts)."""
 from __future__ import annotations
@@ -162,7 +163,9 @@ def test_the_status_page_in_a_real_browser(cluster, hub, double_image, tmp_path)
 
         # 6. status --exposure lists it, as the status page, on the API's address
         p = dctl("status", "-i", str(inv), "--exposure", "--json", timeout=90)
-        socks = json.loads(p.stdout)["exposure"][head.name]["sockets"]
+        st = json.loads(p.stdout)
+        assert st["status_page"] == url, "status names the page"
+        socks = st["exposure"][head.name]["sockets"]
         page = [s for s in socks if s["port"] == PAGE_PORT]
         assert page and page[0]["serves"].startswith("the status page") and page[0]["address"] == head.address \
             and not page[0]["concern"], page or socks

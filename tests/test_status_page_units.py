@@ -208,3 +208,82 @@ def test_a_page_whose_server_stops_answering_says_so(tmp_path):
         srv.server_close()
         p.wait("document.getElementById('verdict').dataset.verdict === 'no-answer'", timeout=10)
         assert "does not answer" in p.text()
+
+
+# ------------------------------------------------------------------------------- the controller's side
+
+def test_the_page_listens_and_is_admitted_like_the_api(tmp_path):
+    from orchestrator.launch import exposure as E
+    from orchestrator.launch import firewall as F
+    from orchestrator.launch import status_page as S
+    from orchestrator.launch import supervision
+    from tests.test_exposure_units import _dep
+    dep = _dep(tmp_path)
+    head = dep.cluster.head_host
+    page = dep.recipe.supervise.port + 100
+    assert S.port(dep) == page and S.url(dep) == f"http://{head.address}:{page}/"
+    assert supervision.configs(dep)[head.name]["page"] == {"listen": head.address, "port": page,
+                                                           "url": S.url(dep), "key": False}
+    assert all("page" not in c for n, c in supervision.configs(dep).items() if n != head.name)
+    v4 = F.ruleset(dep, head).v4.splitlines()
+    assert f"-A {F.chain_name(dep.name)} -p tcp --dport {page} -j RETURN" in v4, "without api_allow: as the API"
+    allowed = _dep(tmp_path, "    api_allow: [192.0.2.200]\n")
+    v4 = F.ruleset(allowed, allowed.cluster.head_host).v4.splitlines()
+    assert [ln for ln in v4 if f"--dport {page} " in ln] == [
+        f"-A {F.chain_name(dep.name)} -p tcp --dport {page} -s 192.0.2.200/32 -j RETURN",
+        f"-A {F.chain_name(dep.name)} -p tcp --dport {page} -j REJECT --reject-with tcp-reset"], "api_allow: as the API"
+    s = E.classify(E.Socket("tcp", head.address, page, "python3", 1), head, {}, dep.api_port, [], "", (8790,), (page,))
+    assert not s.concern and s.scope == "management"
+    wide = _dep(tmp_path, "    api_listen: 0.0.0.0\n")
+    assert S.url(wide) == f"http://{head.address}:{page}/" and supervision.page_config(wide)["listen"] == "0.0.0.0"
+    from orchestrator.deployment import load_deployment
+    off = load_deployment(tmp_path / "fw.yml", sets=("supervise.page=false",))
+    assert S.port(off) is None and supervision.configs(off)[head.name]["page"] is None
+    assert f"--dport {page} " not in F.ruleset(off, head).v4
+
+
+def test_a_page_port_taken_is_refused_before_anything_runs(tmp_path):
+    from orchestrator.errors import InputError
+    from orchestrator.deployment import load_deployment
+    from tests.test_exposure_units import _dep
+    _dep(tmp_path)
+    with pytest.raises(InputError, match="cannot share port"):
+        load_deployment(tmp_path / "fw.yml", sets=("supervise.page_port=8790",))
+
+
+def test_the_controllers_facts(tmp_path):
+    from orchestrator.launch import status_page as S
+    from tests.test_exposure_units import _dep
+    dep = _dep(tmp_path)
+    plan = S.plan_facts(dep, now=123.0)
+    assert plan["at"] == 123.0 and set(plan["hosts"]) == {h.name for h in dep.cluster.hosts}
+    assert all(v["planned_bytes"] and v["planned_bytes"] > 0 for v in plan["hosts"].values()), plan
+    fab = S.fabric_facts({"at": 99.0, "report": {"topology": "switch", "links": [
+        {"a": "s1", "b": "s2", "reach": {"a>b": True, "b>a": True}, "df": {"a>b": True}, "mtu": 9000, "rtt_ms": 0.1,
+         "throughput": {"gbps": 97.5, "retransmits": 0, "error": None}, "expected_gbps": 100, "detail": {}},
+        {"a": "s1", "b": "s3", "reach": {"a>b": False}, "df": {}, "mtu": 9000, "rtt_ms": None, "throughput": None,
+         "expected_gbps": 100, "detail": {"reach": "no reply"}}]}})
+    assert fab["at"] == 99.0 and [(x["a"], x["b"], x["gbps"], x["mtu"], x["ok"]) for x in fab["links"]] == \
+        [("s1", "s2", 97.5, 9000, True), ("s1", "s3", None, 9000, False)] and fab["links"][1]["detail"] == "reach: no reply"
+    assert S.fabric_facts(None) is None
+    inv = S.inventory_facts(dep, now=5.0)
+    assert inv["deployments"] == [{"name": dep.name, "model": dep.recipe.engine.served_name, "hosts": [h.name for h in dep.cluster.hosts],
+                                   "head": dep.cluster.head, "api_url": dep.api_url, "page_url": S.url(dep)}]
+    b = S.bench_facts({"levels": [{"concurrency": 1, "ttft_ms": 50.0, "tps": 40.0, "itl_ms": 9.0, "errors": 0}],
+                       "verdicts": [{"concurrency": 1, "meets_slo": True}], "max_c": 1, "config": {"url": "u", "model": "m"}}, now=7.0)
+    assert b == {"at": 7.0, "max_c": 1, "levels": [{"concurrency": 1, "ttft_ms": 50.0, "tps": 40.0, "itl_ms": 9.0,
+                                                     "errors": 0, "meets_slo": True}], "url": "u", "model": "m", "ok": None}
+
+
+def test_the_assets_travel_in_the_zipapp(tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+    from orchestrator.hostside import bundle
+    z = bundle.build(tmp_path)
+    names = zipfile.ZipFile(z).namelist()
+    for a in ("index.html", "login.html", "app.js", "style.css"):
+        assert f"orchestrator/hostside/page/{a}" in names
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from orchestrator.hostside import status_page as P; print(len(P.asset('app.js')))"
+    p = subprocess.run([sys.executable, "-c", code, str(z)], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert p.returncode == 0 and int(p.stdout) > 1000, p.stderr

@@ -76,6 +76,8 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify, exp
         doc["exposure"] = collect(dep)
     if dep.cluster.router:
         doc["router"] = _router_status(dep)
+    from ..launch.status_page import url as page_url
+    doc["status_page"] = page_url(dep) if (doc.get("supervisor") or {}).get("enabled") else None
     doc = mask_data(doc)     # the table too: container errors and table reasons are hosts' text
     if as_json:
         emit_json(doc)
@@ -89,6 +91,8 @@ def status_command(inventory, recipe, sets, as_json, verbose, quiet, verify, exp
         out.print(f"API {a['url']}: {verdict} ({escape(a['detail'])}){key}")
         _print_failure(out, doc.get("failure"), a["healthy"])
         _print_supervisor(out, doc.get("supervisor") or {}, doc["hosts"])
+        if doc.get("status_page"):
+            out.print(f"Status page: {doc['status_page']} (docs/status-page.md)")
         for host, rows in doc.get("tables_verified", {}).items():
             for stage, r in rows.items():
                 mark = "[green]verified[/green]" if r.get("up_to_date") else "[red]NOT current[/red]"
