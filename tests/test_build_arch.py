@@ -1,7 +1,7 @@
 """A chain built for linux/arm64 on real Docker engines from this x86-64 machine: the local Docker 20.10
 and a test host's Docker 26 (the suite's default engine), both with the classic builder (no BuildKit
 here). A two-step chain (a docker-build whose RUN runs under qemu-user, then a patch) FROM an arm64
-base (tests/arm64_base.py) must give images whose config says linux/arm64, and `uname -m` inside says
+base (the test bed's arm64 busybox, tests/cluster/arm64.py) must give images whose config says linux/arm64, and `uname -m` inside says
 aarch64; a base of the wrong platform is refused before anything is built, naming the image, its
 platform, the host and its architecture; a cached image of the wrong platform is refused too."""
 from __future__ import annotations
@@ -16,15 +16,12 @@ from orchestrator.imagechain.builder import (CACHE_REPO, BuildReport, ChainBuild
                                               is_platform)
 from orchestrator.imagechain.spec import check_inputs, load_chain
 from orchestrator.runrecord import HostLog
-from tests import arm64_base
+from tests.cluster import arm64
+from tests.cluster.images import BUSYBOX_IMAGE, LOCAL_ENGINE, copy_image, ensure_base_images
 
-ARM = "dctl-chainarch-base:arm64"          # busybox-static arm64, config linux/arm64/v8
-WRONG = "dctl-chainarch-base:amd64"        # the same files, config linux/amd64: the wrong platform
+ARM = arm64.BUSYBOX_IMAGE                  # the test bed's arm64 busybox, config linux/arm64/v8
+WRONG = BUSYBOX_IMAGE                      # this machine's busybox, config linux/amd64: the wrong platform
 FINAL = "dctl-chainarch:test"
-NEEDS_QEMU = pytest.mark.skipif(not arm64_base.emulates_arm64(), reason=(
-    "arm64 binaries do not run on this machine: apt-get install qemu-user-static binfmt-support "
-    "(and mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc)"))
-
 CHAIN = """\
 name: archtest
 description: two steps FROM an arm64 base
@@ -78,11 +75,20 @@ def clean(client) -> None:
                 pass
 
 
-def check_arm64_build(client, tmp_path: Path) -> None:
+def load_bases(engine: str) -> None:
+    """ARM and WRONG in ENGINE: made in the local engine once (cached), copied to another engine. The arm64
+    one is made and run under qemu-user: without it this fails, saying what to install (.ci/setup does)."""
+    arm64.ensure_emulation()
+    ensure_base_images(debian=False)
+    ensure_base_images(debian=False, arch="aarch64")
+    if engine != LOCAL_ENGINE:
+        copy_image([ARM, WRONG], LOCAL_ENGINE, engine)
+
+
+def check_arm64_build(client, engine: str, tmp_path: Path) -> None:
     """The chain built for aarch64 in CLIENT's engine, checked; then rebuilt (every step reused and
     checked); then a cache image of the wrong platform is refused."""
-    arm64_base.load(client, ARM)
-    arm64_base.load(client, WRONG, arch="amd64", variant="")
+    load_bases(engine)
     chain_file = chain_dir(tmp_path, ARM)
     clean(client)
     try:
@@ -120,10 +126,9 @@ def _dockerfile(text: str):
     return io.BytesIO(text.encode())
 
 
-def check_wrong_base_refused(client, tmp_path: Path) -> None:
+def check_wrong_base_refused(client, engine: str, tmp_path: Path) -> None:
     """An amd64 base for an aarch64 head, and an arm64 base for an x86_64 head: refused before any step."""
-    arm64_base.load(client, ARM)
-    arm64_base.load(client, WRONG, arch="amd64", variant="")
+    load_bases(engine)
     clean(client)
     for base, arch, found, want in ((WRONG, "aarch64", "linux/amd64", "linux/arm64"),
                                     (ARM, "x86_64", "linux/arm64/v8", "linux/amd64")):
@@ -141,20 +146,18 @@ def check_wrong_base_refused(client, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------ Docker 20.10
 
 @pytest.mark.docker
-@NEEDS_QEMU
 def test_an_arm64_chain_on_the_local_engine(docker_client, tmp_path):
-    check_arm64_build(docker_client, tmp_path)
+    check_arm64_build(docker_client, LOCAL_ENGINE, tmp_path)
 
 
 @pytest.mark.docker
 def test_a_base_of_the_wrong_platform_is_refused_on_the_local_engine(docker_client, tmp_path):
-    check_wrong_base_refused(docker_client, tmp_path)
+    check_wrong_base_refused(docker_client, LOCAL_ENGINE, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------ Docker 26
 
 @pytest.mark.cluster
-@NEEDS_QEMU
 def test_an_arm64_chain_on_a_docker_26_test_host(tmp_path):
     from tests.cluster import TestCluster, cluster_lock
     with cluster_lock("chainarch", log=print):
@@ -163,8 +166,8 @@ def test_an_arm64_chain_on_a_docker_26_test_host(tmp_path):
             client = docker.DockerClient(base_url=c.hosts[0].docker_host, timeout=120)
             try:
                 assert client.version()["Version"].startswith("26."), client.version()["Version"]
-                check_arm64_build(client, tmp_path / "build")
-                check_wrong_base_refused(client, tmp_path / "refuse")
+                check_arm64_build(client, c.hosts[0].docker_host, tmp_path / "build")
+                check_wrong_base_refused(client, c.hosts[0].docker_host, tmp_path / "refuse")
             finally:
                 client.close()
         finally:
