@@ -14,47 +14,28 @@ The pure parts (requests_in_flight, drain, roll_order) are tested in tests/test_
 """
 from __future__ import annotations
 
-import re
 import time
 from typing import TYPE_CHECKING, Callable
+
+from .hostside import metrics
 
 if TYPE_CHECKING:
     from .deployment import Deployment
 
 DRAIN_S = 120.0              # the bound on waiting for a replica's in-flight requests to finish
 DRAIN_POLL_S = 0.5
-# What each engine calls its own requests in flight (its /metrics, Prometheus text): vLLM's running and
-# waiting gauges, SGLang's running and queued ones. Labelled per model/engine: summed.
-IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting", "sglang:num_running_reqs",
-             "sglang:num_queue_reqs")
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEnaNIif]+)")
+def requests_in_flight(text: str) -> float | None:
+    """The requests an engine is running or holding (its running and waiting gauges, hostside/metrics.py
+    in_flight) from its /metrics text; None when it exposes none of them (then the drain cannot read it)."""
+    got = metrics.in_flight(text)
+    return float(sum(got.values())) if got is not None else None
 
 
-def requests_in_flight(metrics: str) -> float | None:
-    """The requests an engine is running or holding (sum of IN_FLIGHT's samples) from its /metrics text;
-    None when it exposes none of them (then the drain cannot read it)."""
-    total, seen = 0.0, False
-    for line in metrics.splitlines():
-        m = _SAMPLE.match(line)
-        if m and m.group(1) in IN_FLIGHT:
-            try:
-                total += float(m.group(3))
-            except ValueError:
-                continue
-            seen = True
-    return total if seen else None
-
-
-def requests_served(metrics: str) -> float | None:
+def requests_served(text: str) -> float | None:
     """The requests an engine finished (vLLM's vllm:request_success_total, summed over its finish reasons;
     SGLang's sglang:num_requests_total) from its /metrics text; None when it exposes neither."""
-    total, seen = 0.0, False
-    for line in metrics.splitlines():
-        m = _SAMPLE.match(line)
-        if m and m.group(1) in ("vllm:request_success_total", "sglang:num_requests_total"):
-            total += float(m.group(3))
-            seen = True
-    return total if seen else None
+    got = [v for name, v in metrics.samples(text) if name in ("vllm:request_success_total", "sglang:num_requests_total")]
+    return sum(got) if got else None
 
 
 def drain(read: Callable[[], float | None], bound_s: float = DRAIN_S, poll_s: float = DRAIN_POLL_S,

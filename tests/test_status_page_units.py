@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.hostside import status_page as P
+from orchestrator.hostside import metrics, status_page as P
 from orchestrator.hostside.supervisor import RankView, exit_text, masker
 from tests.browser import Browser
 
@@ -142,8 +142,8 @@ def test_a_silent_host_is_never_healthy_and_a_stopped_rank_is_down_with_its_sign
 def test_in_flight_is_read_from_the_engines_metrics():
     text = ('# HELP vllm:num_requests_running x\nvllm:num_requests_running{model_name="m"} 2.0\n'
             'vllm:num_requests_waiting{model_name="m"} 5.0\nsglang:num_queue_reqs 1\n')
-    assert P.parse_in_flight(text) == {"running": 2, "waiting": 6}
-    assert P.parse_in_flight("nothing 1\n") is None
+    assert metrics.in_flight(text) == {"running": 2, "waiting": 6}
+    assert metrics.in_flight("nothing 1\n") is None
 
 
 def _rich(sup: FakeSup, d: Path) -> None:

@@ -37,6 +37,7 @@ import time
 import urllib.parse
 from typing import Any, Callable
 
+from . import metrics
 from .httpcall import call
 
 COOKIE = "deployctl_page"
@@ -46,8 +47,6 @@ ROUTER_TTL_S = 5.0
 INCIDENTS_SHOWN = 20
 RELEASES_SHOWN = 10
 FACTS = ("plan", "fabric", "inventory", "bench")      # the controller's files in <state>/page/
-IN_FLIGHT = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-             "sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "waiting"}
 ASSETS = {"/app.js": ("app.js", "text/javascript; charset=utf-8"),
           "/style.css": ("style.css", "text/css; charset=utf-8")}
 HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
@@ -81,22 +80,6 @@ def authorized(key: str | None, deployment: str, headers: Any) -> bool:
         if name == COOKIE and hmac.compare_digest(value.encode(), want.encode()):
             return True
     return False
-
-
-def parse_in_flight(text: str) -> dict[str, int] | None:
-    """{"running": N, "waiting": M} from an engine's /metrics (launch/api.py in_flight's rule)."""
-    got: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        k = IN_FLIGHT.get(line.replace("{", " ").split(" ", 1)[0])
-        if k is None:
-            continue
-        try:
-            got[k] = got.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
-        except ValueError:
-            continue
-    return {k: int(v) for k, v in got.items()} or None
 
 
 def _json_file(path: str) -> Any:
@@ -141,7 +124,7 @@ class Page:
             return {"at": at, "error": f"{type(e).__name__}"}
         if code != 200:
             return {"at": at, "error": f"HTTP {code}"}
-        return {"at": at, **(parse_in_flight(body.decode(errors="replace")) or {"error": "not reported"})}
+        return {"at": at, **(metrics.in_flight(body.decode(errors="replace")) or {"error": "not reported"})}
 
     def _router(self) -> dict[str, Any] | None:
         inv = _json_file(os.path.join(self.page_dir, "inventory.json")) or {}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..apikey import ApiKey
+from ..hostside import metrics
 
 if TYPE_CHECKING:
     import httpx
@@ -116,13 +117,6 @@ def progress_line(lines: list[str]) -> str:
     return lines[-1].strip()[-200:] if lines else ""
 
 
-# The engines' own gauges of requests being generated and waiting: released vLLM 0.33.0
-# vllm/v1/metrics/loggers.py (vllm:num_requests_running, vllm:num_requests_waiting); released SGLang
-# 0.5.23 sglang/srt/observability/metrics_collector.py (sglang:num_running_reqs, sglang:num_queue_reqs).
-IN_FLIGHT = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-             "sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "waiting"}
-
-
 def in_flight(client: httpx.Client, base: str, timeout: float = QUICK_TIMEOUT_S) -> dict[str, int] | None:
     """{"running": N, "waiting": M} from the engine's /metrics (summed over its label sets); None when
     it does not answer or reports neither."""
@@ -133,18 +127,7 @@ def in_flight(client: httpx.Client, base: str, timeout: float = QUICK_TIMEOUT_S)
         return None
     if r.status_code != 200:
         return None
-    got: dict[str, float] = {}
-    for line in r.text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        key = IN_FLIGHT.get(line.replace("{", " ").split(" ", 1)[0])
-        if key is None:
-            continue
-        try:
-            got[key] = got.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-        except ValueError:
-            continue
-    return {k: int(v) for k, v in got.items()} or None
+    return metrics.in_flight(r.text)
 
 
 def http_client(key: ApiKey | None = None) -> httpx.Client:
