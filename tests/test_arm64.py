@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,26 +27,12 @@ from orchestrator.deployment import load_deployment
 from orchestrator.hostside import httpcall
 from orchestrator.inventory import InventoryRef
 from tests.test_router_cluster import until
+from tests.test_tp8 import dctl, out, results
 
 pytestmark = pytest.mark.cluster
-REPO = Path(__file__).resolve().parents[1]
 NAME = os.environ.get("DCTL_ARM64_CLUSTER", "arm64")
 ARM, X86 = ("node1", "node2"), "node3"
 T0 = time.monotonic()
-
-
-def dctl(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env={**os.environ, "COLUMNS": "200"})
-
-
-def out(p: subprocess.CompletedProcess) -> str:
-    return (p.stdout[-4000:] + "\n" + p.stderr[-4000:]).strip()
-
-
-def results(p: subprocess.CompletedProcess) -> dict[str, dict]:
-    doc = json.loads(p.stdout)
-    return {f"{s['name']}:{r['host']}": r for s in doc.get("stages", []) for r in s["results"]}
 
 
 def phase(what: str, since: float) -> float:
