@@ -30,7 +30,7 @@ class Platform:
         return f"linux/{self.architecture}"
 
     def __str__(self) -> str:
-        return f"linux/{self.architecture}" + (f"/{self.variant}" if self.variant else "")
+        return describe(self.architecture, self.variant)
 
 
 def for_machine(machine: str) -> Platform:
@@ -48,5 +48,6 @@ def runs_on(architecture: str, variant: str, machine: str) -> bool:
     return bool(want) and architecture == want[0] and (variant or "") in want[1]
 
 
-def describe(architecture: str, variant: str = "") -> str:
-    return f"linux/{architecture or '?'}" + (f"/{variant}" if variant else "")
+def describe(architecture: str, variant: str = "", os: str = "linux") -> str:
+    """An image config's platform as Docker writes it: linux/arm64/v8, linux/amd64."""
+    return f"{os or '?'}/{architecture or '?'}" + (f"/{variant}" if variant else "")

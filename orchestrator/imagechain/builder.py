@@ -137,8 +137,7 @@ class _StepError(Exception):
 
 def platform_of(attrs: dict[str, Any]) -> str:
     """An image's platform as its config (an inspect result) says it: linux/arm64/v8, linux/amd64."""
-    parts = [attrs.get("Os") or "?", attrs.get("Architecture") or "?"]
-    return "/".join(parts + ([attrs["Variant"]] if attrs.get("Variant") else []))
+    return oci.describe(attrs.get("Architecture") or "", attrs.get("Variant") or "", attrs.get("Os") or "")
 
 
 def is_platform(attrs: dict[str, Any], arch: str) -> bool:
